@@ -1,0 +1,47 @@
+"""Moving checkpoints between diff-llama and transformers' built-in `diffllama` model (even G only).
+
+Both use the same parameter names and shapes, so no tensor is changed: only the config differs.
+"""
+
+import os
+
+import torch
+import transformers
+
+from .configuration_diff_llama import DiffLlamaConfig
+from .modeling_diff_llama import DiffLlamaForCausalLM
+
+# Fields that exist only in diff-llama's config; the built-in config would keep them as stray attributes.
+_OWN_FIELDS = ("auto_map", "diff_version", "mlp_bias", "architectures", "model_type", "transformers_version")
+
+
+def load_builtin_checkpoint(path: str | os.PathLike, **from_pretrained_kwargs) -> DiffLlamaForCausalLM:
+    """Load a checkpoint saved by `transformers.DiffLlamaForCausalLM` into diff-llama's class (identical logits)."""
+    builtin_config = transformers.DiffLlamaConfig.from_pretrained(path)
+    if builtin_config.model_type != "diffllama":
+        raise ValueError(f"{path} holds a `{builtin_config.model_type}` checkpoint, not a built-in `diffllama` one.")
+    config = DiffLlamaConfig(**builtin_config.to_dict())
+    return DiffLlamaForCausalLM.from_pretrained(path, config=config, **from_pretrained_kwargs)
+
+
+def to_builtin_config(config: DiffLlamaConfig) -> "transformers.DiffLlamaConfig":
+    """The built-in config for the same model; refuses what the built-in model cannot compute."""
+    if config.num_key_value_heads % 2:
+        raise ValueError(
+            f"transformers' built-in DiffLlama needs an even `num_key_value_heads`, this model has "
+            f"{config.num_key_value_heads}. Keep it in diff-llama (which loads anywhere via trust_remote_code=True)."
+        )
+    if config.mlp_bias:
+        raise ValueError("transformers' built-in DiffLlama has no MLP biases; this model has `mlp_bias=True`.")
+    values = {k: v for k, v in config.to_dict().items() if k not in _OWN_FIELDS}
+    return transformers.DiffLlamaConfig(**values)
+
+
+def export_to_builtin(model: DiffLlamaForCausalLM, output_dir: str | os.PathLike) -> None:
+    """Save `model` so that `transformers.DiffLlamaForCausalLM.from_pretrained(output_dir)` loads it unchanged."""
+    builtin_config = to_builtin_config(model.config)
+    with torch.device("meta"):
+        builtin = transformers.DiffLlamaForCausalLM(builtin_config)
+    builtin.load_state_dict(model.state_dict(), strict=True, assign=True)
+    builtin.generation_config = model.generation_config
+    builtin.save_pretrained(output_dir)

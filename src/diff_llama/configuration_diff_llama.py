@@ -1,0 +1,149 @@
+"""DiffLlama configuration.
+
+Imports only torch/transformers so that it also works as remote code (`trust_remote_code=True`).
+"""
+
+from transformers import PreTrainedConfig
+
+# Written into every saved config so that the checkpoint loads with `trust_remote_code=True` where this package is
+# not installed (save_pretrained alone records only the class being saved).
+AUTO_MAP = {
+    "AutoConfig": "configuration_diff_llama.DiffLlamaConfig",
+    "AutoModel": "modeling_diff_llama.DiffLlamaModel",
+    "AutoModelForCausalLM": "modeling_diff_llama.DiffLlamaForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_diff_llama.DiffLlamaForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_diff_llama.DiffLlamaForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_diff_llama.DiffLlamaForQuestionAnswering",
+}
+
+
+class DiffLlamaConfig(PreTrainedConfig):
+    r"""
+    Configuration of a Differential Transformer (arXiv 2410.05258) with LLaMA's layout: pre-RMSNorm, SwiGLU, RoPE,
+    and differential attention in place of softmax attention.
+
+    Every LLaMA field keeps its meaning. `num_attention_heads` (H) counts softmax maps and must be even: differential
+    head `i` subtracts map `i + H/2` from map `i`. `num_key_value_heads` (G) may be any divisor of H, odd and 1
+    included.
+
+    Args:
+        lambda_std_dev (`float`, defaults to 0.1):
+            Standard deviation of the normal initialisation of the four per-layer λ vectors.
+        diff_version (`int`, defaults to 1):
+            Differential attention variant. Only 1 (the paper's) exists; 2 is reserved for Microsoft's revision.
+        attention_dropout (`float`, defaults to 0.0):
+            Must be 0: the paper defines no dropout for the differential map (see the error message).
+
+    ```python
+    >>> from diff_llama import DiffLlamaConfig, DiffLlamaForCausalLM
+    >>> config = DiffLlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+    ...                          num_attention_heads=8, num_key_value_heads=1)
+    >>> model = DiffLlamaForCausalLM(config)
+    ```
+    """
+
+    model_type = "diff_llama"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        hidden_size: int = 2048,
+        intermediate_size: int = 8192,
+        num_hidden_layers: int = 16,
+        num_attention_heads: int = 32,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
+        hidden_act: str = "silu",
+        max_position_embeddings: int = 2048,
+        initializer_range: float = 0.02,
+        rms_norm_eps: float = 1e-5,
+        use_cache: bool = True,
+        pad_token_id: int | None = None,
+        bos_token_id: int | None = 1,
+        eos_token_id: int | list[int] | None = 2,
+        tie_word_embeddings: bool = False,
+        rope_parameters: dict | None = None,
+        attention_bias: bool = False,
+        attention_dropout: float = 0.0,
+        mlp_bias: bool = False,
+        lambda_std_dev: float = 0.1,
+        diff_version: int = 1,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
+        self.head_dim = head_dim
+        self.hidden_act = hidden_act
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.rms_norm_eps = rms_norm_eps
+        self.use_cache = use_cache
+        self.rope_parameters = rope_parameters
+        self.attention_bias = attention_bias
+        self.attention_dropout = attention_dropout
+        self.mlp_bias = mlp_bias
+        self.lambda_std_dev = lambda_std_dev
+        self.diff_version = diff_version
+        self._validate_differential_layout()
+        if self.head_dim is None:
+            self.head_dim = hidden_size // num_attention_heads
+        self.pad_token_id = pad_token_id
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.tie_word_embeddings = tie_word_embeddings
+        kwargs["auto_map"] = {**AUTO_MAP, **(kwargs.get("auto_map") or {})}
+        # A built-in `diffllama` config.json names its own model_type; this class's is the one that applies.
+        kwargs.pop("model_type", None)
+        super().__init__(**kwargs)
+
+    def _validate_differential_layout(self):
+        """Refuse, at construction, every value the differential attention cannot run with."""
+        heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
+        if not isinstance(heads, int) or heads < 2 or heads % 2:
+            raise ValueError(
+                f"DiffLlamaConfig: `num_attention_heads` must be a positive even number (differential head i "
+                f"subtracts softmax map i + H/2 from map i), got {heads}. To convert a LLaMA with an odd head "
+                f"count, pad it with an extra GQA group of zero heads (see the converter)."
+            )
+        if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
+            raise ValueError(
+                f"DiffLlamaConfig: `num_key_value_heads` ({kv_heads}) must be a positive divisor of "
+                f"`num_attention_heads` ({heads}); use one of {[g for g in range(1, heads + 1) if heads % g == 0]}."
+            )
+        if self.head_dim is None:
+            if self.hidden_size % heads:
+                raise ValueError(
+                    f"DiffLlamaConfig: `hidden_size` ({self.hidden_size}) is not divisible by `num_attention_heads` "
+                    f"({heads}), so `head_dim` cannot be derived; pass `head_dim` explicitly."
+                )
+            head_dim = self.hidden_size // heads
+        else:
+            head_dim = self.head_dim
+        if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+            raise ValueError(
+                f"DiffLlamaConfig: `head_dim` must be a positive even number (RoPE rotates pairs of channels), got "
+                f"{head_dim}; pass an even `head_dim` or a `hidden_size` that gives one."
+            )
+        if not self.lambda_std_dev >= 0:
+            raise ValueError(
+                f"DiffLlamaConfig: `lambda_std_dev` must be >= 0 (it is a standard deviation), got {self.lambda_std_dev}."
+            )
+        if self.attention_dropout:
+            raise ValueError(
+                f"DiffLlamaConfig: `attention_dropout` must be 0, got {self.attention_dropout}. The paper defines no "
+                f"dropout for the differential map A1 - λ·A2, and dropping A1 and A2 independently would change what "
+                f"is subtracted. Regularise with weight decay or dropout outside attention instead."
+            )
+        if self.diff_version != 1:
+            raise ValueError(
+                f"DiffLlamaConfig: `diff_version` {self.diff_version} is not implemented; only 1 (the paper's "
+                f"differential attention) exists. Version 2 is reserved."
+            )
+
+
+__all__ = ["DiffLlamaConfig"]

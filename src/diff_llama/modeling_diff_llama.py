@@ -1,0 +1,473 @@
+"""DiffLlama: LLaMA with differential attention (Ye et al., arXiv 2410.05258), version 1.
+
+The maths and tensor layout follow SPEC.md: query heads i and i + H/2 form differential head i,
+both maps read the value pair V_i = concat(v_kv(i), v_kv(i + H/2)), and parameter names match
+transformers' built-in `diffllama`, so its checkpoints load unchanged.
+
+Imports only torch, transformers and the sibling configuration file, so that a saved model also
+loads as remote code (`trust_remote_code=True`) where this package is not installed.
+"""
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
+from transformers.modeling_rope_utils import dynamic_rope_update
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    repeat_kv,
+)
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_diff_llama import DiffLlamaConfig
+
+
+class DiffLlamaMLP(LlamaMLP):
+    pass
+
+
+class DiffLlamaRMSNorm(LlamaRMSNorm):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # Llama's RMSNorm, computed in float32 or wider (Llama's always drops to float32, even for float64 models).
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.promote_types(input_dtype, torch.float32))
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class DiffLlamaRotaryEmbedding(LlamaRotaryEmbedding):
+    @torch.no_grad()
+    @dynamic_rope_update
+    def forward(self, x, position_ids):
+        # Llama's rotary embedding, with angles in float32 or wider, so that a float64 model is float64 throughout.
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        freqs = position_ids[..., None].to(dtype) * self.inv_freq.to(device=x.device, dtype=dtype)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+def lambda_init_fn(layer_idx: int) -> float:
+    """The paper's depth-dependent λ_init(l) = 0.8 - 0.6 * exp(-0.3 * l), l counted from 0."""
+    return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama's eager attention, with the softmax in float32 or wider: a float64 model keeps float64 maps (Llama's
+    float32 cast turns a float64 mask's minimum into -inf and fully padded rows into NaN)."""
+    key_states = repeat_kv(key, module.num_key_value_groups)
+    value_states = repeat_kv(value, module.num_key_value_groups)
+
+    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+
+    softmax_dtype = torch.promote_types(query.dtype, torch.float32)
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=softmax_dtype).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value_states)
+    attn_output = attn_output.transpose(1, 2).contiguous()
+    return attn_output, attn_weights
+
+
+class DiffLlamaAttention(nn.Module):
+    """Differential attention: out_i = (1 - λ_init) * RMSNorm((A1 - λ A2) V_i) for differential head i.
+
+    Both softmax maps of every pair come from one call of the configured attention backend per value half,
+    so eager, SDPA, flex and flash kernels all compute the exact maps. Key/value heads are expanded only as
+    far as needed for each half of the query heads to see whole GQA groups: not at all for even G, and to
+    2 heads for G = 1. That is what lets odd G and multi-query models run.
+    """
+
+    def __init__(self, config: DiffLlamaConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = True
+        # GQA seen by the attention backend: query heads per (expanded) key/value head. It must divide H/2 so
+        # that no key/value head is shared across the two halves of the query heads.
+        query_heads_per_kv = config.num_attention_heads // config.num_key_value_heads
+        self.num_key_value_groups = math.gcd(query_heads_per_kv, config.num_attention_heads // 2)
+        self.kv_expansion = query_heads_per_kv // self.num_key_value_groups
+
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+
+        self.lambda_init = lambda_init_fn(layer_idx)
+        self.lambda_q1 = nn.Parameter(torch.zeros(self.head_dim))
+        self.lambda_k1 = nn.Parameter(torch.zeros(self.head_dim))
+        self.lambda_q2 = nn.Parameter(torch.zeros(self.head_dim))
+        self.lambda_k2 = nn.Parameter(torch.zeros(self.head_dim))
+        # The paper's per-head normalisation over the 2d-wide output; it has no affine weight.
+        self.head_norm = nn.RMSNorm(2 * self.head_dim, eps=config.rms_norm_eps, elementwise_affine=False)
+
+    def lambda_full(self) -> torch.Tensor:
+        """λ = exp(λ_q1·λ_k1) - exp(λ_q2·λ_k2) + λ_init, as a scalar tensor in float32 (or float64 for a float64
+        model): never in half precision, where exp() of a dot product loses the small λ updates."""
+        dtype = torch.promote_types(self.lambda_q1.dtype, torch.float32)
+        dot1 = torch.sum(self.lambda_q1.to(dtype) * self.lambda_k1.to(dtype))
+        dot2 = torch.sum(self.lambda_q2.to(dtype) * self.lambda_k2.to(dtype))
+        return torch.exp(dot1) - torch.exp(dot2) + self.lambda_init
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+        key_states = repeat_kv(key_states, self.kv_expansion)
+        value_states = repeat_kv(value_states, self.kv_expansion)
+        # Query head h (either map of differential head i = h mod H/2) must read v_kv(i) and v_kv(i + H/2):
+        # the first and second half of the key/value heads, each repeated for both halves of the queries.
+        first_values, second_values = value_states.chunk(2, dim=1)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        first_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            torch.cat([first_values, first_values], dim=1),
+            attention_mask,
+            dropout=0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        second_output, _ = attention_interface(
+            self,
+            query_states,
+            key_states,
+            torch.cat([second_values, second_values], dim=1),
+            attention_mask,
+            dropout=0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        # (batch, seq, H, 2d): every softmax map applied to the value pair of its differential head.
+        attn_output = torch.cat([first_output, second_output], dim=-1)
+        map1_output, map2_output = attn_output.chunk(2, dim=2)
+
+        # The subtraction cancels most of the signal, so it runs in float32 (or wider) whatever the model dtype.
+        lambda_full = self.lambda_full()
+        differential = map1_output.to(lambda_full.dtype) - lambda_full * map2_output.to(lambda_full.dtype)
+        attn_output = (1 - self.lambda_init) * self.head_norm(differential)
+        attn_output = attn_output.to(hidden_states.dtype).reshape(*input_shape, -1)
+        attn_output = self.o_proj(attn_output)
+        return attn_output, attn_weights
+
+
+class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: DiffLlamaConfig, layer_idx: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.self_attn = DiffLlamaAttention(config=config, layer_idx=layer_idx)
+        self.mlp = DiffLlamaMLP(config)
+        self.input_layernorm = DiffLlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = DiffLlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+
+
+class DiffLlamaPreTrainedModel(PreTrainedModel):
+    config: DiffLlamaConfig
+    config_class = DiffLlamaConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DiffLlamaDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _can_compile_fullgraph = True
+    _supports_attention_backend = True
+    _can_record_outputs = {
+        "hidden_states": DiffLlamaDecoderLayer,
+        "attentions": DiffLlamaAttention,
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, DiffLlamaAttention):
+            for vector in (module.lambda_q1, module.lambda_k1, module.lambda_q2, module.lambda_k2):
+                init.normal_(vector, 0.0, self.config.lambda_std_dev)
+
+    def get_lambdas(self) -> torch.Tensor:
+        """The current λ of every layer, float32, shape (num_hidden_layers,)."""
+        return torch.stack([layer.self_attn.lambda_full() for layer in self.base_model.layers])
+
+
+class DiffLlamaModel(DiffLlamaPreTrainedModel):
+    def __init__(self, config: DiffLlamaConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [DiffLlamaDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = DiffLlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = DiffLlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+
+        if position_ids is None:
+            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                **kwargs,
+            )
+
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+
+class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: DiffLlamaConfig):
+        super().__init__(config)
+        self.model = DiffLlamaModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+# The generic task heads build their backbone with `AutoModel.from_config`, which fails as the first call of a
+# fresh remote-code process; each head below builds its backbone explicitly and reuses the generic forward.
+class DiffLlamaForSequenceClassification(GenericForSequenceClassification, DiffLlamaPreTrainedModel):
+    def __init__(self, config: DiffLlamaConfig):
+        DiffLlamaPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = DiffLlamaModel(config)
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
+        self.post_init()
+
+
+class DiffLlamaForTokenClassification(GenericForTokenClassification, DiffLlamaPreTrainedModel):
+    def __init__(self, config: DiffLlamaConfig):
+        DiffLlamaPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = DiffLlamaModel(config)
+        classifier_dropout = getattr(config, "classifier_dropout", None)
+        self.dropout = nn.Dropout(0.1 if classifier_dropout is None else classifier_dropout)
+        self.score = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+
+class DiffLlamaForQuestionAnswering(GenericForQuestionAnswering, DiffLlamaPreTrainedModel):
+    def __init__(self, config: DiffLlamaConfig):
+        DiffLlamaPreTrainedModel.__init__(self, config)
+        self.model = DiffLlamaModel(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+
+def differential_attention_maps(
+    attentions: torch.Tensor | Sequence[torch.Tensor], lambdas: float | torch.Tensor | Sequence
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Turn softmax maps into differential maps A1 - λ·A2.
+
+    Args:
+        attentions: what `output_attentions=True` returns (eager attention): one tensor of shape
+            (batch, H, q, k), where head i holds A1 and head i + H/2 holds A2 of differential head i, or the
+            per-layer tuple `outputs.attentions`.
+        lambdas: λ for one layer (a float or 0-d tensor), or one per layer, e.g. `model.get_lambdas()`.
+
+    Returns:
+        (batch, H/2, q, k) in float32 (float64 for float64 maps), or a tuple of those, one per layer.
+
+    ```python
+    >>> out = model(input_ids, output_attentions=True)  # model loaded with attn_implementation="eager"
+    >>> maps = differential_attention_maps(out.attentions, model.get_lambdas())
+    ```
+    """
+    if attentions is None or (not isinstance(attentions, torch.Tensor) and any(a is None for a in attentions)):
+        raise ValueError(
+            "No softmax maps to combine: only eager attention returns them. Load the model with "
+            "`attn_implementation=\"eager\"` (or call `model.set_attn_implementation(\"eager\")`) and pass "
+            "`output_attentions=True`."
+        )
+    if isinstance(attentions, torch.Tensor):
+        dtype = torch.promote_types(attentions.dtype, torch.float32)
+        first, second = attentions.to(dtype).chunk(2, dim=1)
+        lam = torch.as_tensor(lambdas, dtype=dtype, device=attentions.device)
+        return first - lam * second
+    if len(attentions) != len(lambdas):
+        raise ValueError(f"Got attention maps for {len(attentions)} layers but {len(lambdas)} λ values.")
+    return tuple(differential_attention_maps(maps, lam) for maps, lam in zip(attentions, lambdas))
+
+
+__all__ = [
+    "DiffLlamaPreTrainedModel",
+    "DiffLlamaModel",
+    "DiffLlamaForCausalLM",
+    "DiffLlamaForSequenceClassification",
+    "DiffLlamaForTokenClassification",
+    "DiffLlamaForQuestionAnswering",
+    "differential_attention_maps",
+]

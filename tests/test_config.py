@@ -1,0 +1,53 @@
+import pytest
+
+from conftest import tiny_config
+from diff_llama import DiffLlamaConfig
+from diff_llama.configuration_diff_llama import AUTO_MAP
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (dict(num_attention_heads=5, num_key_value_heads=5, head_dim=8), "num_attention_heads"),
+        (dict(num_attention_heads=6, num_key_value_heads=4), "num_key_value_heads"),
+        (dict(num_attention_heads=6, num_key_value_heads=0), "num_key_value_heads"),
+        (dict(hidden_size=50, head_dim=None), "hidden_size"),
+        (dict(head_dim=7), "head_dim"),
+        (dict(lambda_std_dev=-0.1), "lambda_std_dev"),
+        (dict(attention_dropout=0.1), "attention_dropout"),
+        (dict(diff_version=2), "diff_version"),
+    ],
+)
+def test_invalid_config_names_the_field(overrides, field):
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        tiny_config(**overrides)
+
+
+def test_valid_layouts_and_defaults():
+    config = DiffLlamaConfig()
+    assert config.model_type == "diff_llama"
+    assert config.num_key_value_heads == config.num_attention_heads
+    assert config.head_dim == config.hidden_size // config.num_attention_heads
+    assert config.rope_parameters["rope_theta"] == 10000.0
+    for kv in (1, 2, 3, 6):
+        assert tiny_config(num_attention_heads=6, num_key_value_heads=kv).num_key_value_heads == kv
+
+
+def test_round_trip_keeps_fields_and_auto_map(tmp_path):
+    config = tiny_config(lambda_std_dev=0.05, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5})
+    config.save_pretrained(tmp_path)
+    loaded = DiffLlamaConfig.from_pretrained(tmp_path)
+    assert loaded.to_dict() == config.to_dict()
+    assert loaded.auto_map == AUTO_MAP
+    assert loaded.rope_parameters["rope_type"] == "linear"
+
+
+def test_invalid_saved_config_is_refused_on_load(tmp_path):
+    import json
+
+    tiny_config().save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    data["num_key_value_heads"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        DiffLlamaConfig.from_pretrained(tmp_path)

@@ -1,0 +1,118 @@
+"""The model against the independent float64 reference of the equations (tests/reference.py)."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from diff_llama import differential_attention_maps
+from reference import reference_forward
+
+# (H, G): odd G, G = 1 (multi-query), H/2 odd, G = H, even G with H/2 odd.
+LAYOUTS = [(6, 3), (6, 1), (2, 1), (8, 4), (8, 1), (6, 6), (12, 3), (10, 2)]
+
+
+def random_batch(seed=1, batch=3, length=9, vocab=128):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, vocab, (batch, length), generator=generator)
+    attention_mask = torch.ones(batch, length, dtype=torch.long)
+    attention_mask[1, :4] = 0  # left padding
+    if batch > 2:
+        attention_mask[2, :1] = 0
+    return input_ids, attention_mask
+
+
+def randomise_lambdas(model, seed=3):
+    """Non-trivial λ vectors, so that λ differs from λ_init and from layer to layer."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "lambda_" in name:
+            param.data = torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.4
+
+
+@pytest.mark.parametrize("heads,kv_heads", LAYOUTS)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_float64_logits_match_reference(heads, kv_heads, attn):
+    model = tiny_model(torch.float64, num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=4)
+    randomise_lambdas(model)
+    model.set_attn_implementation(attn)
+    input_ids, attention_mask = random_batch()
+    with torch.no_grad():
+        logits = model(input_ids, attention_mask=attention_mask).logits
+    expected = reference_forward(model.config, model.state_dict(), input_ids, attention_mask)
+    real = attention_mask.bool()
+    torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=1e-12)
+
+
+def test_reference_detects_a_wrong_pairing():
+    """Guards the reference itself: pairing heads (i, i+1) instead of (i, i + H/2) must be visible."""
+    model = tiny_model(torch.float64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1)
+    input_ids, _ = random_batch()
+    expected = reference_forward(model.config, model.state_dict(), input_ids)
+    state = dict(model.state_dict())
+    q = state["model.layers.0.self_attn.q_proj.weight"].view(4, 8, -1)
+    state["model.layers.0.self_attn.q_proj.weight"] = q[[0, 2, 1, 3]].reshape(32, -1)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        logits = model(input_ids).logits
+    assert (logits - expected).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(6, 3), (8, 2), (4, 1)])
+def test_flex_attention_matches_reference(heads, kv_heads):
+    # FlexAttention on CPU runs float32 only and without autograd.
+    model = tiny_model(torch.float32, num_attention_heads=heads, num_key_value_heads=kv_heads)
+    randomise_lambdas(model)
+    model.set_attn_implementation("flex_attention")
+    input_ids, attention_mask = random_batch()
+    with torch.no_grad():
+        logits = model(input_ids, attention_mask=attention_mask).logits
+    expected = reference_forward(model.config, model.state_dict(), input_ids, attention_mask)
+    real = attention_mask.bool()
+    torch.testing.assert_close(logits[real].double(), expected[real], rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(6, 3), (8, 1)])
+def test_output_attentions_and_differential_maps(heads, kv_heads):
+    model = tiny_model(torch.float64, num_attention_heads=heads, num_key_value_heads=kv_heads)
+    randomise_lambdas(model)
+    model.set_attn_implementation("eager")
+    input_ids, attention_mask = random_batch(batch=2)
+    with torch.no_grad():
+        out = model(input_ids, attention_mask=attention_mask, output_attentions=True)
+    _, maps = reference_forward(model.config, model.state_dict(), input_ids, attention_mask, return_maps=True)
+    lambdas = model.get_lambdas()
+    assert len(out.attentions) == model.config.num_hidden_layers
+    diff_maps = differential_attention_maps(out.attentions, lambdas)
+    for layer, layer_attn in enumerate(out.attentions):
+        assert layer_attn.shape == (2, heads, 9, 9)
+        assert diff_maps[layer].shape == (2, heads // 2, 9, 9)
+        for b in range(2):
+            real = attention_mask[b].bool()
+            head_maps, lam = maps[b][layer]
+            assert lambdas[layer].item() == pytest.approx(lam, abs=1e-12)
+            for i, (a1, a2) in enumerate(head_maps):
+                torch.testing.assert_close(layer_attn[b, i][real], a1[real], rtol=0, atol=1e-12)
+                torch.testing.assert_close(layer_attn[b, i + heads // 2][real], a2[real], rtol=0, atol=1e-12)
+                torch.testing.assert_close(diff_maps[layer][b, i][real], (a1 - lam * a2)[real], rtol=0, atol=1e-12)
+
+
+def test_differential_maps_need_eager_attention():
+    model = tiny_model()
+    input_ids, _ = random_batch()
+    with pytest.raises(ValueError, match="eager"):
+        differential_attention_maps((None,) * 3, model.get_lambdas())
+
+
+def test_lambda_follows_equation_and_layer_depth():
+    model = tiny_model(torch.float64, num_hidden_layers=5)
+    randomise_lambdas(model)
+    import math
+
+    for layer, attn in enumerate(layer.self_attn for layer in model.model.layers):
+        expected = (
+            math.exp(attn.lambda_q1 @ attn.lambda_k1)
+            - math.exp(attn.lambda_q2 @ attn.lambda_k2)
+            + 0.8
+            - 0.6 * math.exp(-0.3 * layer)
+        )
+        assert attn.lambda_full().item() == pytest.approx(expected, abs=1e-12)
