@@ -1,5 +1,7 @@
 """The model against the independent float64 reference of the equations (tests/reference.py)."""
 
+import math
+
 import pytest
 import torch
 
@@ -106,12 +108,11 @@ def test_differential_maps_need_eager_attention():
 def test_lambda_follows_equation_and_layer_depth():
     model = tiny_model(torch.float64, num_hidden_layers=5)
     randomise_lambdas(model)
-    import math
 
     for layer, attn in enumerate(layer.self_attn for layer in model.model.layers):
         expected = (
-            math.exp(attn.lambda_q1 @ attn.lambda_k1)
-            - math.exp(attn.lambda_q2 @ attn.lambda_k2)
+            math.exp((attn.lambda_q1 @ attn.lambda_k1).item())
+            - math.exp((attn.lambda_q2 @ attn.lambda_k2).item())
             + 0.8
             - 0.6 * math.exp(-0.3 * layer)
         )

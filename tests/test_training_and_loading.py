@@ -1,0 +1,119 @@
+"""Training, gradients, embeddings, dtype and device-map loading: the LlamaForCausalLM feature set."""
+
+import pytest
+import torch
+
+from conftest import SAMPLE_TEXT, tiny_config, tiny_model
+from diff_llama import DiffLlamaForCausalLM
+
+
+def test_fresh_model_initialisation():
+    torch.manual_seed(0)
+    config = tiny_config(num_hidden_layers=8, head_dim=64, hidden_size=384, lambda_std_dev=0.1)
+    model = DiffLlamaForCausalLM(config)
+    lambdas = torch.cat([p.detach().flatten() for n, p in model.named_parameters() if "lambda_" in n])
+    assert lambdas.numel() == 8 * 4 * 64
+    assert abs(lambdas.mean()) < 0.02 and 0.09 < lambdas.std() < 0.11
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert 0.018 < q.std() < 0.022  # initializer_range
+    assert torch.all(model.model.norm.weight == 1)
+
+
+def test_init_does_not_overwrite_loaded_lambdas(tmp_path):
+    model = tiny_model()
+    with torch.no_grad():
+        model.model.layers[1].self_attn.lambda_q2.fill_(0.123)
+    model.save_pretrained(tmp_path)
+    loaded = DiffLlamaForCausalLM.from_pretrained(tmp_path)
+    assert torch.all(loaded.model.layers[1].self_attn.lambda_q2 == 0.123)
+
+
+def _batches(tokenizer, length=32):
+    ids = tokenizer(SAMPLE_TEXT, return_tensors="pt").input_ids[0]
+    usable = ids[: (len(ids) // length) * length]
+    return usable.view(-1, length)
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_training_reduces_loss_and_reaches_every_weight(tokenizer, gradient_checkpointing):
+    model = tiny_model(vocab_size=len(tokenizer), num_attention_heads=6, num_key_value_heads=3).train()
+    if gradient_checkpointing:
+        model.activation_checkpointing_enable()
+    data = _batches(tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(30):
+        loss = model(data, labels=data).loss
+        loss.backward()
+        if step == 0:
+            for name, param in model.named_parameters():
+                assert param.grad is not None and param.grad.abs().sum() > 0, f"no gradient reaches {name}"
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+
+
+def test_gradient_checkpointing_gives_same_gradients():
+    model = tiny_model().train()
+    input_ids = torch.randint(3, 128, (2, 10))
+    model(input_ids, labels=input_ids).loss.backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.activation_checkpointing_enable()
+    model(input_ids, labels=input_ids).loss.backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, plain[name], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_tied_and_untied_embeddings(tmp_path, tie):
+    model = tiny_model(tie_word_embeddings=tie)
+    assert (model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()) is tie
+    model.save_pretrained(tmp_path)
+    loaded = DiffLlamaForCausalLM.from_pretrained(tmp_path)
+    assert (loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()) is tie
+    input_ids = torch.randint(3, 128, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids).logits, model(input_ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_resize_token_embeddings(tie):
+    model = tiny_model(tie_word_embeddings=tie)
+    input_ids = torch.randint(3, 128, (1, 8))
+    with torch.no_grad():
+        before = model(input_ids).logits
+    model.resize_token_embeddings(140)
+    assert model.config.vocab_size == 140
+    assert model.model.embed_tokens.weight.shape[0] == 140 and model.lm_head.weight.shape[0] == 140
+    with torch.no_grad():
+        after = model(torch.cat([input_ids, torch.tensor([[139]])], 1)).logits
+    torch.testing.assert_close(after[:, :8, :128], before, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dtype_loading(tmp_path, dtype):
+    tiny_model().save_pretrained(tmp_path)
+    loaded = DiffLlamaForCausalLM.from_pretrained(tmp_path, dtype=dtype)
+    assert all(p.dtype == dtype for p in loaded.parameters())
+    with torch.no_grad():
+        assert torch.isfinite(loaded(torch.randint(3, 128, (1, 8))).logits).all()
+
+
+def test_device_map_auto_with_disk_offload(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "model")
+    input_ids = torch.randint(3, 128, (1, 8))
+    with torch.no_grad():
+        expected = model(input_ids).logits
+    layer_bytes = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    loaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "model", device_map="auto", max_memory={"cpu": int(layer_bytes * 1.5)},
+        offload_folder=tmp_path / "offload",
+    )
+    assert "disk" in set(loaded.hf_device_map.values())  # some layers really were offloaded
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids).logits, expected, rtol=0, atol=1e-6)
