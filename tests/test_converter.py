@@ -1,0 +1,295 @@
+"""The LLaMA -> DiffLlama converter on real (small, random) LLaMA checkpoints written by transformers."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+from diff_llama import DiffLlamaForCausalLM
+from diff_llama.cli import main
+from diff_llama.conversion.converter import ConversionOptions, convert_llama_to_diff_llama, diff_config_for
+from diff_llama.conversion.errors import ConversionError
+from diff_llama.conversion.head_layout import (
+    convert_attention_weights,
+    expand_layout,
+    split_layout,
+    zero_lambda_vectors,
+)
+from diff_llama.evaluation import perplexity
+from diff_llama.modeling_diff_llama import DiffLlamaAttention, lambda_init_fn
+
+FAST = dict(calibration_tokens=2048, eval_tokens=1024, seq_len=128)
+
+
+def make_llama(folder: Path, tokenizer, dtype=torch.float32, max_shard_size=None, seed=0, **overrides) -> Path:
+    values = dict(
+        vocab_size=len(tokenizer), hidden_size=72, intermediate_size=144, num_hidden_layers=3,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=512, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    values.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**values)).to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def folder_checksum(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for file in sorted(folder.rglob("*")):
+        if file.is_file():
+            digest.update(file.name.encode())
+            digest.update(file.read_bytes())
+            digest.update(str(file.stat().st_mtime_ns).encode())
+    return digest.hexdigest()
+
+
+# ---- the head layout, checked against LLaMA's own attention ---------------------------------------------------
+
+
+def _attention_pair(layout_fn, heads, kv_heads, tie_maps=False):
+    hidden = heads * 8
+    config = LlamaConfig(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
+                         max_position_embeddings=64)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    llama = LlamaAttention(config, layer_idx=2).double()
+    if tie_maps:  # every query head and every key head identical: all softmax maps coincide
+        with torch.no_grad():
+            llama.q_proj.weight.copy_(llama.q_proj.weight[:8].repeat(heads, 1))
+            llama.k_proj.weight.copy_(llama.k_proj.weight[:8].repeat(kv_heads, 1))
+    layout = layout_fn(heads, kv_heads)
+    diff_config = diff_config_for(config, layout)
+    diff_config._attn_implementation = "eager"
+    diff = DiffLlamaAttention(diff_config, layer_idx=2).double()
+    weights = convert_attention_weights(
+        llama.q_proj.weight, llama.k_proj.weight, llama.v_proj.weight, llama.o_proj.weight, layout, 8
+    )
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            getattr(diff, name).weight.copy_(tensor)
+        for name, vector in zero_lambda_vectors(lambda_init_fn(2), 8, dtype=torch.float64).items():
+            getattr(diff, name).copy_(vector)
+        diff.o_proj.weight.div_(1 - diff.lambda_init)
+    diff.head_norm = torch.nn.Identity()  # isolate the layout from the per-head norm
+    hidden = torch.randn(2, 10, config.hidden_size, dtype=torch.float64)
+    rope = LlamaRotaryEmbedding(config)(hidden, torch.arange(10)[None])
+    with torch.no_grad():
+        return llama(hidden, rope, None)[0], diff(hidden, rope, None)[0]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 2), (6, 1), (8, 8)])
+def test_expand_layout_reproduces_llama_attention(heads, kv_heads):
+    expected, got = _attention_pair(expand_layout, heads, kv_heads)
+    # Llama's eager attention takes its softmax in float32, hence 1e-6 rather than float64 precision.
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 2), (8, 4)])
+def test_split_layout_is_exact_when_paired_maps_coincide(heads, kv_heads):
+    expected, got = _attention_pair(split_layout, heads, kv_heads, tie_maps=True)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    expected, got = _attention_pair(split_layout, heads, kv_heads, tie_maps=False)
+    assert (got - expected).abs().max() > 1e-3  # in general the second map's head is lost: the reason for expand
+
+
+def test_zero_lambda_is_zero_and_not_a_saddle():
+    for layer in range(6):
+        vectors = {k: v.clone().requires_grad_() for k, v in zero_lambda_vectors(lambda_init_fn(layer), 16).items()}
+        lam = (torch.exp(vectors["lambda_q1"] @ vectors["lambda_k1"]) - torch.exp(vectors["lambda_q2"] @ vectors["lambda_k2"])
+               + lambda_init_fn(layer))
+        assert abs(lam.item()) < 1e-6
+        lam.backward()
+        assert all(v.grad.norm() > 0.1 for v in vectors.values())
+
+
+# ---- whole conversions ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def llama_dir(tmp_path, tokenizer):
+    return make_llama(tmp_path / "llama", tokenizer)
+
+
+def test_default_conversion_keeps_llama_quality_and_report_is_true(tmp_path, llama_dir, tokenizer):
+    before = folder_checksum(llama_dir)
+    out = tmp_path / "diff"
+    report = convert_llama_to_diff_llama(str(llama_dir), str(out), ConversionOptions(**FAST), progress=False)
+    assert folder_checksum(llama_dir) == before  # the input is never modified
+    q = report.quality
+    assert q["converted_perplexity"] / q["source_perplexity"] < 1.05 and q["kl_source_to_converted"] < 0.02
+
+    # The streamed report agrees with a plain evaluation of the two saved models.
+    from diff_llama.corpus import HELD_OUT_MODULES, stdlib_docstrings
+
+    ids = tokenizer(stdlib_docstrings(HELD_OUT_MODULES), return_tensors="pt", add_special_tokens=False).input_ids[0]
+    ids = ids[: 8 * 128 + 1]
+    converted = AutoModelForCausalLM.from_pretrained(out)
+    source = AutoModelForCausalLM.from_pretrained(llama_dir)
+    assert type(converted) is DiffLlamaForCausalLM
+    assert perplexity(converted, ids, window=128) == pytest.approx(q["converted_perplexity"], rel=1e-4)
+    assert perplexity(source, ids, window=128) == pytest.approx(q["source_perplexity"], rel=1e-4)
+
+    files = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "modeling_diff_llama.py", "configuration_diff_llama.py",
+            "tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md",
+            "conversion_report.json"} <= files
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temporary folder left behind
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "diff_llama" and "AutoModelForCausalLM" in config["auto_map"]
+    assert config["num_attention_heads"] == 18 and config["num_key_value_heads"] == 6
+    card = (out / "README.md").read_text()
+    assert "library_name: transformers" in card and f"{q['converted_perplexity']:.2f}" in card
+    assert abs(converted.get_lambdas()).max() < 1e-5  # λ starts at 0
+
+
+def test_lambda_moves_after_one_optimiser_step(tmp_path, llama_dir, tokenizer):
+    out = tmp_path / "diff"
+    convert_llama_to_diff_llama(str(llama_dir), str(out), ConversionOptions(calibration="none", evaluate=False),
+                                progress=False)
+    model = DiffLlamaForCausalLM.from_pretrained(out).train()
+    before = model.get_lambdas().detach().clone()
+    ids = tokenizer("The quick brown fox jumps over the lazy dog. " * 8, return_tensors="pt").input_ids
+    optimizer = torch.optim.AdamW([p for n, p in model.named_parameters() if "lambda_" in n], lr=1e-2)
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    after = model.get_lambdas().detach()
+    assert before.abs().max() < 1e-5 and (after - before).abs().min() > 1e-4
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_sharded_bf16_input_and_sharded_output(tmp_path, tokenizer, tie):
+    src = make_llama(tmp_path / "llama", tokenizer, dtype=torch.bfloat16, max_shard_size="100KB",
+                     tie_word_embeddings=tie, num_attention_heads=4, num_key_value_heads=2, head_dim=12)
+    assert (src / "model.safetensors.index.json").exists()
+    out = tmp_path / "diff"
+    options = ConversionOptions(head_layout="split", max_shard_bytes=150_000, **FAST)
+    report = convert_llama_to_diff_llama(str(src), str(out), options, progress=False)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((out / s).exists() for s in shards)
+    tensors = {}
+    for shard in shards:
+        tensors.update(load_file(out / shard))
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert ("lm_head.weight" in tensors) is (not tie)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.head_dim == 12 and model.config.num_attention_heads == 4
+    assert model.config.tie_word_embeddings is tie
+    assert report.quality["converted_perplexity"] < 10 * report.quality["source_perplexity"]
+
+
+def test_rope_scaling_is_kept(tmp_path, tokenizer):
+    rope = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
+    src = make_llama(tmp_path / "llama", tokenizer, rope_parameters=rope)
+    out = tmp_path / "diff"
+    report = convert_llama_to_diff_llama(str(src), str(out), ConversionOptions(**FAST), progress=False)
+    assert json.loads((out / "config.json").read_text())["rope_parameters"] == rope
+    assert report.quality["converted_perplexity"] / report.quality["source_perplexity"] < 1.05
+
+
+# ---- refusing bad input, losing nothing ------------------------------------------------------------------------
+
+
+def _expect_error(tmp_path, source, match, **options):
+    out = tmp_path / "out"
+    with pytest.raises(ConversionError, match=match):
+        convert_llama_to_diff_llama(str(source), str(out), ConversionOptions(**{**FAST, **options}), progress=False)
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_not_a_llama_names_the_architecture(tmp_path, llama_dir):
+    config = json.loads((llama_dir / "config.json").read_text())
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"])
+    (llama_dir / "config.json").write_text(json.dumps(config))
+    _expect_error(tmp_path, llama_dir, "MistralForCausalLM")
+
+
+def test_missing_and_truncated_shards(tmp_path, tokenizer):
+    src = make_llama(tmp_path / "llama", tokenizer, max_shard_size="100KB")
+    shards = sorted(src.glob("model-*.safetensors"))
+    data = shards[1].read_bytes()
+    shards[1].write_bytes(data[: len(data) // 2])
+    _expect_error(tmp_path, src, "truncated or corrupt")
+    shards[1].unlink()
+    _expect_error(tmp_path, src, "names shard")
+
+
+def test_shape_mismatch_and_missing_tensor(tmp_path, llama_dir):
+    config = json.loads((llama_dir / "config.json").read_text())
+    config["intermediate_size"] = 100
+    (llama_dir / "config.json").write_text(json.dumps(config))
+    _expect_error(tmp_path, llama_dir, "shape")
+    config["num_hidden_layers"] = 4
+    config["intermediate_size"] = 144
+    (llama_dir / "config.json").write_text(json.dumps(config))
+    _expect_error(tmp_path, llama_dir, "lacks")
+
+
+def test_odd_heads_with_padding_disabled(tmp_path, llama_dir):
+    _expect_error(tmp_path, llama_dir, "odd number of query heads", head_layout="split", pad_odd_heads=False)
+
+
+def test_existing_output_is_refused_unless_overwrite(tmp_path, llama_dir):
+    out = tmp_path / "diff"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    with pytest.raises(ConversionError, match="--overwrite"):
+        convert_llama_to_diff_llama(str(llama_dir), str(out), progress=False)
+    assert (out / "keep.txt").read_text() == "precious"
+    convert_llama_to_diff_llama(str(llama_dir), str(out), ConversionOptions(calibration="none", evaluate=False),
+                                overwrite=True, progress=False)
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+
+
+def test_cli_reports_errors_in_one_line(tmp_path, llama_dir, capsys):
+    assert main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "does not exist" in err
+
+
+def test_killed_conversion_leaves_no_output(tmp_path, tokenizer):
+    src = make_llama(tmp_path / "llama", tokenizer, num_hidden_layers=12, hidden_size=144, intermediate_size=288)
+    out = tmp_path / "diff"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "diff_llama.cli", "convert", str(src), str(out), "--max-shard-size", "200KB"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(tmp_path.glob(".diff.partial-*/shard-*")):
+        time.sleep(0.02)
+    assert list(tmp_path.glob(".diff.partial-*/shard-*")), "the conversion never started writing"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not out.exists()
+
+
+def test_hub_id_goes_through_snapshot_download(tmp_path, llama_dir, monkeypatch):
+    """The Hub is unreachable here: snapshot_download is replaced by a fake that serves a local folder."""
+    import huggingface_hub
+
+    calls = []
+
+    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None):
+        calls.append((repo_id, revision, tuple(allow_patterns)))
+        return str(llama_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    report = convert_llama_to_diff_llama("someone/tiny-llama", str(tmp_path / "diff"),
+                                         ConversionOptions(calibration="none", evaluate=False), progress=False)
+    assert calls and calls[0][0] == "someone/tiny-llama" and "*.safetensors" in calls[0][2]
+    assert report.num_attention_heads == 18
