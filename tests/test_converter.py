@@ -270,9 +270,9 @@ def test_killed_conversion_leaves_no_output(tmp_path, tokenizer):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     deadline = time.time() + 120
-    while time.time() < deadline and not list(tmp_path.glob(".diff.partial-*/shard-*")):
+    while time.time() < deadline and not list(tmp_path.glob(".diff.partial-*/model-*")):
         time.sleep(0.02)
-    assert list(tmp_path.glob(".diff.partial-*/shard-*")), "the conversion never started writing"
+    assert list(tmp_path.glob(".diff.partial-*/model-*")), "the conversion never started writing"
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert not out.exists()
@@ -293,3 +293,25 @@ def test_hub_id_goes_through_snapshot_download(tmp_path, llama_dir, monkeypatch)
                                          ConversionOptions(calibration="none", evaluate=False), progress=False)
     assert calls and calls[0][0] == "someone/tiny-llama" and "*.safetensors" in calls[0][2]
     assert report.num_attention_heads == 18
+
+
+def test_quantized_dtype_is_refused(tmp_path, llama_dir):
+    from safetensors.torch import save_file
+
+    tensors = load_file(llama_dir / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"].to(torch.int8)
+    save_file(tensors, llama_dir / "model.safetensors", metadata={"format": "pt"})
+    _expect_error(tmp_path, llama_dir, "I8")
+
+
+def test_paper_lambda_start_and_user_calibration_text(tmp_path, llama_dir):
+    text = tmp_path / "calibration.txt"
+    text.write_text("Attention is all you need, said the transformer to the recurrent network. " * 200)
+    out = tmp_path / "diff"
+    options = ConversionOptions(lambda_start="paper", calibration_text=str(text), **FAST)
+    report = convert_llama_to_diff_llama(str(llama_dir), str(out), options, progress=False)
+    lambdas = DiffLlamaForCausalLM.from_pretrained(out).get_lambdas()
+    init = torch.tensor([lambda_init_fn(layer) for layer in range(3)])
+    assert (lambdas - init).abs().max() < 0.2 and (lambdas - init).abs().max() > 0  # N(0, 0.1) vectors: λ ≈ λ_init
+    assert json.loads((out / "conversion_report.json").read_text())["options"]["calibration_text"] == str(text)
+    assert report.quality["converted_perplexity"] > 0

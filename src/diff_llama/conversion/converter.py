@@ -17,8 +17,8 @@ from ..modeling_diff_llama import lambda_init_fn
 from .calibration import CalibrationSettings, LayerwiseRunner
 from .errors import ConversionError
 from .head_layout import HeadLayout, convert_attention_weights, expand_layout, split_layout, zero_lambda_vectors
-from .source import TOKENIZER_FILES, LlamaSource, open_source
-from .writer import AtomicOutputFolder, ShardedSafetensorsWriter
+from .source import FLOAT_DTYPES, SAFETENSORS_DTYPES, TOKENIZER_FILES, LlamaSource, open_source
+from .writer import AtomicOutputFolder, StreamingSafetensorsWriter
 
 LAYER_TENSORS = (
     "input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
@@ -26,6 +26,8 @@ LAYER_TENSORS = (
     "self_attn.o_proj.weight",
 )
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+LAMBDA_VECTORS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+OUTPUT_LAYER_TENSORS = LAYER_TENSORS + tuple(f"self_attn.{name}" for name in LAMBDA_VECTORS)  # in write order
 
 
 @dataclass
@@ -150,18 +152,17 @@ def check_source(source: LlamaSource) -> list[str]:
             "the download is incomplete or config.json does not belong to these weights."
         )
     for name, shape in expected.items():
-        actual = tuple(_shape(source, name))
+        actual, dtype = source.tensor_info(name)
         if actual != shape:
             raise ConversionError(
                 f"{name} has shape {actual} but config.json implies {shape}; the weights and config do not match."
             )
+        if dtype not in FLOAT_DTYPES:
+            raise ConversionError(
+                f"{name} is stored as {dtype}; the converter needs floating-point weights (F32, F16, BF16). "
+                "Dequantize the checkpoint first."
+            )
     return sorted(expected)
-
-
-def _shape(source, name):
-    if hasattr(source, "_location"):
-        return source._open(source._location[name]).get_slice(name).get_shape()
-    return source.get(name).shape
 
 
 def _load_tokenizer(source: LlamaSource):
@@ -219,7 +220,7 @@ def convert_llama_to_diff_llama(
             f"{src.description} has no tokenizer, which calibration and evaluation need; add the tokenizer files or "
             "pass --calibration none --no-eval."
         )
-    runner = None
+    runner = None  # without calibration and evaluation nothing runs the model: pure streaming
     if calibrating or options.evaluate:
         source_config = copy.deepcopy(config)
         source_config._attn_implementation = "sdpa"
@@ -241,47 +242,66 @@ def convert_llama_to_diff_llama(
     total_bytes = sum(src.tensor_bytes(n) for n in names)
     layer_diagnostics = []
     with target as folder:
-        writer = ShardedSafetensorsWriter(folder, options.max_shard_bytes)
+        writer = StreamingSafetensorsWriter(folder, write_plan(diff_config, out_dtype), options.max_shard_bytes)
         bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="converting", disable=not progress)
 
-        def copy_tensor(name):
-            tensor = src.get(name)
-            writer.add(name, tensor)
-            bar.update(tensor.numel() * tensor.element_size())
+        def copy_tensor(name, keep=True):
+            """Copy a tensor unchanged; as raw bytes when it need not be decoded (the fast path)."""
+            shape, dtype = src.tensor_info(name)
+            location = src.location(name)
+            if not keep and location is not None and dtype == SAFETENSORS_DTYPES[out_dtype]:
+                writer.add_bytes(name, shape, out_dtype, *location)
+                tensor = None
+            else:
+                tensor = src.get(name)
+                writer.add(name, tensor.to(out_dtype))
+            bar.update(src.tensor_bytes(name))
             return tensor
 
-        copy_tensor("model.embed_tokens.weight")
+        copy_tensor("model.embed_tokens.weight", keep=False)
         for layer in range(config.num_hidden_layers):
             prefix = f"model.layers.{layer}."
-            source_tensors = {name: src.get(prefix + name) for name in LAYER_TENSORS}
-            converted = dict(source_tensors)
+            attention = {name: src.get(prefix + name) for name in LAYER_TENSORS if name.startswith("self_attn.")}
             new_attention = convert_attention_weights(
-                *(source_tensors[f"self_attn.{p}.weight"] for p in ATTENTION_PROJECTIONS), layout, config.head_dim
+                *(attention[f"self_attn.{p}.weight"] for p in ATTENTION_PROJECTIONS), layout, config.head_dim
             )
-            converted.update({f"self_attn.{p}.weight": t for p, t in new_attention.items()})
+            converted = {f"self_attn.{p}.weight": t for p, t in new_attention.items()}
             converted.update({f"self_attn.{n}": v for n, v in _lambda_vectors(layer, diff_config, options).items()})
+            if runner is None:  # nothing runs the model: unchanged tensors are copied as bytes
+                for name in OUTPUT_LAYER_TENSORS:
+                    if name in converted:
+                        writer.add(prefix + name, converted[name].to(out_dtype))
+                    else:
+                        copy_tensor(prefix + name, keep=False)
+                bar.update(sum(t.numel() * t.element_size() for t in attention.values()))
+                continue
 
-            if runner is not None:
-                source_layer, converted_layer = runner.build_layers(layer, source_tensors, converted)
-                if calibrating:
-                    diagnostics = runner.calibrate(source_layer, converted_layer, settings)
-                    layer_diagnostics.append({"layer": layer, **diagnostics})
-                    for p in ("v_proj", "o_proj"):
-                        fitted = getattr(converted_layer.self_attn, p).weight.detach()
-                        converted[f"self_attn.{p}.weight"] = fitted.to(out_dtype)
-                        # continue the streams with exactly the weights that are written
-                        getattr(converted_layer.self_attn, p).weight.data = converted[f"self_attn.{p}.weight"].float()
-                runner.advance(source_layer, converted_layer)
+            source_tensors = {**attention, **{n: src.get(prefix + n) for n in LAYER_TENSORS if n not in attention}}
+            converted = {**source_tensors, **converted}
+            source_layer, converted_layer = runner.build_layers(layer, source_tensors, converted)
+            if calibrating:
+                diagnostics = runner.calibrate(source_layer, converted_layer, settings)
+                layer_diagnostics.append({"layer": layer, **diagnostics})
+                for p in ("v_proj", "o_proj"):
+                    fitted = getattr(converted_layer.self_attn, p).weight.detach()
+                    converted[f"self_attn.{p}.weight"] = fitted.to(out_dtype)
+                    # continue the streams with exactly the weights that are written
+                    getattr(converted_layer.self_attn, p).weight.data = converted[f"self_attn.{p}.weight"].float()
+            runner.advance(source_layer, converted_layer)
 
-            for name, tensor in converted.items():
-                writer.add(prefix + name, tensor.to(out_dtype))
+            for name in OUTPUT_LAYER_TENSORS:
+                writer.add(prefix + name, converted[name].to(out_dtype))
             bar.update(sum(t.numel() * t.element_size() for t in source_tensors.values()))
 
-        norm = copy_tensor("model.norm.weight")
-        lm_head = src.get("model.embed_tokens.weight") if config.tie_word_embeddings else copy_tensor("lm_head.weight")
+        evaluate = options.evaluate
+        norm = copy_tensor("model.norm.weight", keep=evaluate)
+        if config.tie_word_embeddings:
+            lm_head = src.get("model.embed_tokens.weight") if evaluate else None
+        else:
+            lm_head = copy_tensor("lm_head.weight", keep=evaluate)
+        writer.close()
         bar.close()
         quality = runner.quality(norm, lm_head, config.rms_norm_eps) if options.evaluate else {}
-        writer.close()
 
         diff_config.save_pretrained(folder)
         for module in (configuration_diff_llama, modeling_diff_llama):  # remote code next to the weights
@@ -307,13 +327,26 @@ def convert_llama_to_diff_llama(
     return report
 
 
+def write_plan(config: DiffLlamaConfig, dtype: torch.dtype) -> list:
+    """Every output tensor (name, shape, dtype) in the order the converter writes them."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    plan = [("model.embed_tokens.weight", (config.vocab_size, hidden), dtype)]
+    layer_shapes = {**_expected_shapes(config), **{f"self_attn.{name}": (head_dim,) for name in LAMBDA_VECTORS}}
+    for layer in range(config.num_hidden_layers):
+        plan += [(f"model.layers.{layer}.{name}", layer_shapes[name], dtype) for name in OUTPUT_LAYER_TENSORS]
+    plan.append(("model.norm.weight", (hidden,), dtype))
+    if not config.tie_word_embeddings:
+        plan.append(("lm_head.weight", (config.vocab_size, hidden), dtype))
+    return plan
+
+
 def _lambda_vectors(layer: int, config: DiffLlamaConfig, options: ConversionOptions) -> dict:
     if options.lambda_start == "zero":
         return zero_lambda_vectors(lambda_init_fn(layer), config.head_dim, seed=options.seed + layer)
     generator = torch.Generator().manual_seed(options.seed + layer)
     return {
         name: torch.randn(config.head_dim, generator=generator) * config.lambda_std_dev
-        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+        for name in LAMBDA_VECTORS
     }
 
 

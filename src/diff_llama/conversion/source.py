@@ -2,16 +2,22 @@
 a `.gguf` file (through transformers' GGUF loader), or a Hub repository id (through huggingface_hub)."""
 
 import json
+import math
 import os
+import struct
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from transformers import LlamaConfig
 
 from .errors import ConversionError
 
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM"}
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
+FLOAT_DTYPES = set(SAFETENSORS_DTYPES.values())
+TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+               "F8_E4M3": 1, "F8_E5M2": 1}
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "chat_template.jinja",
     "added_tokens.json",
@@ -32,18 +38,21 @@ class LlamaSource:
     def get(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 
-    def has(self, name: str) -> bool:
-        return name in self._names_set
+    def tensor_info(self, name: str) -> tuple[tuple, str]:
+        """Shape and safetensors dtype name ("BF16", "F32", ...) without loading the tensor."""
+        raise NotImplementedError
 
-    @property
-    def _names_set(self):
-        if not hasattr(self, "_names_cache"):
-            self._names_cache = set(self.tensor_names())
-        return self._names_cache
+    def location(self, name: str) -> tuple[Path, int, int] | None:
+        """Where a tensor's bytes lie on disk, if they do (then they can be copied without decoding)."""
+        return None
+
+    def tensor_bytes(self, name: str) -> int:
+        shape, dtype = self.tensor_info(name)
+        return math.prod(shape) * DTYPE_SIZES[dtype]
 
 
 class SafetensorsSource(LlamaSource):
-    """A Transformers folder; tensors are memory-mapped from their shards, never loaded all at once."""
+    """A Transformers folder; tensors are read from their shards one at a time, never all at once."""
 
     def __init__(self, folder: Path):
         config = _read_llama_config(folder)
@@ -72,66 +81,82 @@ class SafetensorsSource(LlamaSource):
             )
         else:
             raise ConversionError(f"{folder} has no model.safetensors or model.safetensors.index.json.")
-        self._handles = {}
-        names = []
+        names, self._entries = [], {}
         for file in self._files():
-            handle = self._open(file)
-            file_names = list(handle.keys())
+            entries = _read_safetensors_header(file)
             if self._weight_map is not None:
                 expected = {n for n, f in self._weight_map.items() if f == file.name}
-                absent = expected - set(file_names)
+                absent = expected - set(entries)
                 if absent:
                     raise ConversionError(
                         f"{file.name} lacks {len(absent)} tensor(s) that the index puts there (e.g. {min(absent)}): "
                         "the shard is incomplete or the index is stale."
                     )
-            names.extend(file_names)
+            for name, entry in entries.items():
+                self._entries[name] = (file, *entry)
+            names.extend(entries)
         self._names = names
-        self._location = (
-            {n: folder / f for n, f in self._weight_map.items()}
-            if self._weight_map is not None
-            else dict.fromkeys(names, single_file)
-        )
 
     def _files(self) -> list[Path]:
         if self._weight_map is None:
             return [self._single]
         return [self.folder / f for f in sorted(set(self._weight_map.values()))]
 
-    def _open(self, file: Path):
-        if file not in self._handles:
-            try:
-                self._handles[file] = safe_open(file, framework="pt")
-            except Exception as error:  # safetensors raises its own error types for truncated/corrupt files
-                raise ConversionError(
-                    f"{file.name} cannot be read as safetensors ({error}); the file is truncated or corrupt. "
-                    "Download it again."
-                ) from None
-        return self._handles[file]
-
     def tensor_names(self) -> list[str]:
         return list(self._names)
 
-    def get(self, name: str) -> torch.Tensor:
-        try:
-            return self._open(self._location[name]).get_tensor(name)
-        except KeyError:
-            raise ConversionError(f"the checkpoint has no tensor {name}.") from None
-        except Exception as error:
-            raise ConversionError(
-                f"reading {name} from {self._location[name].name} failed ({error}); the shard is truncated or "
-                "corrupt. Download it again."
-            ) from None
+    def location(self, name: str) -> tuple[Path, int, int]:
+        """File, byte offset and byte length of a tensor's data, for copying it without decoding."""
+        file, _, _, offset, length = self._entries[name]
+        return file, offset, length
 
-    def tensor_bytes(self, name: str) -> int:
-        handle = self._open(self._location[name])
-        sl = handle.get_slice(name)
-        shape, dtype = sl.get_shape(), sl.get_dtype()
-        itemsize = {"F64": 8, "F32": 4, "I64": 8, "I32": 4}.get(dtype, 2)
-        numel = 1
-        for s in shape:
-            numel *= s
-        return numel * itemsize
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._entries:
+            raise ConversionError(f"the checkpoint has no tensor {name}.")
+        file, dtype, shape, offset, length = self._entries[name]
+        if dtype not in TORCH_DTYPES:
+            raise ConversionError(f"{name} is stored as {dtype}; only F32, F16, BF16 and F64 can be converted.")
+        buffer = bytearray(length)
+        with open(file, "rb", buffering=0) as handle:
+            handle.seek(offset)
+            if handle.readinto(buffer) != length:
+                raise ConversionError(f"{file.name} ended while reading {name}: the shard is truncated. Download it again.")
+        return torch.frombuffer(buffer, dtype=TORCH_DTYPES[dtype]).reshape(shape)
+
+    def tensor_info(self, name: str) -> tuple[tuple, str]:
+        _, dtype, shape, _, _ = self._entries[name]
+        return shape, dtype
+
+
+def _read_safetensors_header(file: Path) -> dict:
+    """name -> (dtype, shape, absolute data offset, byte length), checked against the file size.
+
+    Tensors are then read with plain file reads rather than through safetensors' memory map: a mapped checkpoint's
+    pages stay in the process's resident memory, which would grow to the whole model while we stream it.
+    """
+    truncated = ConversionError(f"{file.name} is truncated or corrupt (its safetensors header does not fit the file). "
+                                "Download it again.")
+    size = file.stat().st_size
+    with open(file, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise truncated
+        header_length = struct.unpack("<Q", prefix)[0]
+        if 8 + header_length > size:
+            raise truncated
+        try:
+            header = json.loads(handle.read(header_length))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise truncated from None
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        if 8 + header_length + end > size:
+            raise truncated
+        entries[name] = (info["dtype"], tuple(info["shape"]), 8 + header_length + begin, end - begin)
+    return entries
 
 
 class InMemorySource(LlamaSource):
@@ -149,9 +174,9 @@ class InMemorySource(LlamaSource):
     def get(self, name: str) -> torch.Tensor:
         return self._state[name]
 
-    def tensor_bytes(self, name: str) -> int:
-        t = self._state[name]
-        return t.numel() * t.element_size()
+    def tensor_info(self, name: str) -> tuple[tuple, str]:
+        tensor = self._state[name]
+        return tuple(tensor.shape), SAFETENSORS_DTYPES[tensor.dtype]
 
 
 def _read_llama_config(folder: Path) -> LlamaConfig:

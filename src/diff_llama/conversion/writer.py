@@ -1,13 +1,14 @@
 """Writing a checkpoint tensor by tensor into a temporary folder that becomes the output only when complete."""
 
 import json
+import math
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from .errors import ConversionError
 
@@ -54,49 +55,102 @@ def _make_shareable(folder: Path) -> None:
         os.chmod(file, 0o666 & ~umask)
 
 
-class ShardedSafetensorsWriter:
-    """Accumulates tensors up to `max_shard_bytes`, writes each full shard, and writes the index at the end.
+_DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
 
-    Memory holds at most one shard. Files follow transformers' naming (model-0000i-of-0000N.safetensors).
+
+class StreamingSafetensorsWriter:
+    """Writes safetensors shards tensor by tensor, holding none of them in memory.
+
+    The safetensors header lists every tensor's shape and offset before the data, so the writer takes the full plan
+    (name, shape, dtype, in write order) up front, splits it into shards of at most `max_shard_bytes`, writes each
+    header when its shard opens, and then appends each tensor's bytes as it arrives. A tensor that does not match the
+    plan is an error. Files follow transformers' naming (model.safetensors, or model-0000i-of-0000N.safetensors with
+    an index).
     """
 
-    def __init__(self, folder: Path, max_shard_bytes: int = 2 * 1024**3):
+    def __init__(self, folder: Path, plan: list[tuple[str, tuple, torch.dtype]], max_shard_bytes: int = 2 * 1024**3):
         self.folder = folder
-        self.max_shard_bytes = max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
-        self._shards: list[list[str]] = []
-        self.total_bytes = 0
+        shards, current, current_bytes = [], [], 0
+        for name, shape, dtype in plan:
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if current and current_bytes + size > max_shard_bytes:
+                shards.append(current)
+                current, current_bytes = [], 0
+            current.append((name, tuple(shape), dtype, size))
+            current_bytes += size
+        shards.append(current)
+        count = len(shards)
+        self._file_names = (
+            ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        )
+        self._queue = [(index, entry) for index, shard in enumerate(shards) for entry in shard]
+        self._shards = shards
+        self._position = 0
+        self._open_index = None
+        self._file = None
+        self.total_bytes = sum(entry[3] for _, entry in self._queue)
+
+    def _open_shard(self, index: int) -> None:
+        if self._file is not None:
+            self._file.close()
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape, dtype, size in self._shards[index]:
+            header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        # unbuffered, so that kernel-side copies and our writes share one file position
+        self._file = open(self.folder / self._file_names[index], "wb", buffering=0)
+        self._file.write(struct.pack("<Q", len(encoded)))
+        self._file.write(encoded)
+        self._open_index = index
+
+    def _next(self, name: str, shape: tuple, dtype: torch.dtype) -> None:
+        if self._position >= len(self._queue):
+            raise ConversionError(f"internal error: tensor {name} is not in the conversion plan")
+        index, (planned, planned_shape, planned_dtype, _) = self._queue[self._position]
+        if (name, tuple(shape), dtype) != (planned, planned_shape, planned_dtype):
+            raise ConversionError(
+                f"internal error: expected {planned} {planned_shape} {planned_dtype}, got {name} {tuple(shape)} {dtype}"
+            )
+        if index != self._open_index:
+            self._open_shard(index)
+        self._position += 1
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self._pending or any(name in shard for shard in self._shards):
-            raise ConversionError(f"tensor {name} written twice")
-        size = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
-            self._flush()
-        self._pending[name] = tensor.contiguous()
-        self._pending_bytes += size
-        self.total_bytes += size
+        self._next(name, tensor.shape, tensor.dtype)
+        data = tensor.detach().contiguous().cpu().flatten().view(torch.uint8).numpy()
+        self._file.write(memoryview(data))
 
-    def _flush(self) -> None:
-        index = len(self._shards)
-        save_file(self._pending, self.folder / f"shard-{index:05d}.tmp", metadata={"format": "pt"})
-        self._shards.append(list(self._pending))
-        self._pending, self._pending_bytes = {}, 0
+    def add_bytes(self, name: str, shape: tuple, dtype: torch.dtype, source: Path, offset: int, length: int) -> None:
+        """Append a tensor's bytes straight from another file (kernel-side copy where the OS allows)."""
+        self._next(name, shape, dtype)
+        with open(source, "rb", buffering=0) as handle:
+            copied = 0
+            try:
+                while copied < length:
+                    step = os.copy_file_range(handle.fileno(), self._file.fileno(), length - copied, offset + copied)
+                    if step == 0:
+                        raise ConversionError(f"{source.name} ended while copying {name}: the shard is truncated.")
+                    copied += step
+            except (AttributeError, OSError):  # no copy_file_range here: copy through user space
+                handle.seek(offset + copied)
+                while copied < length:
+                    chunk = handle.read(min(64 << 20, length - copied))
+                    if not chunk:
+                        raise ConversionError(f"{source.name} ended while copying {name}: the shard is truncated.")
+                    self._file.write(chunk)
+                    copied += len(chunk)
 
     def close(self) -> list[str]:
-        if self._pending:
-            self._flush()
-        count = len(self._shards)
-        if count == 1:
-            os.replace(self.folder / "shard-00000.tmp", self.folder / "model.safetensors")
-            return ["model.safetensors"]
-        weight_map, names = {}, []
-        for index, tensor_names in enumerate(self._shards):
-            name = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
-            os.replace(self.folder / f"shard-{index:05d}.tmp", self.folder / name)
-            weight_map.update(dict.fromkeys(tensor_names, name))
-            names.append(name)
-        index_data = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index_data, indent=2) + "\n")
-        return names
+        if self._position != len(self._queue):
+            missing = self._queue[self._position][1][0]
+            raise ConversionError(f"internal error: conversion stopped before writing {missing}")
+        self._file.close()
+        if len(self._file_names) > 1:
+            weight_map = {
+                entry[0]: self._file_names[index] for index, shard in enumerate(self._shards) for entry in shard
+            }
+            index_data = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.folder / "model.safetensors.index.json").write_text(json.dumps(index_data, indent=2) + "\n")
+        return list(self._file_names)

@@ -1,0 +1,140 @@
+"""Conversion speed and memory on a synthetic sharded LLaMA of at least 2 GB (bf16).
+
+Measures, in one run on the same files:
+- the baseline: copying the checkpoint folder (shutil.copytree), after one warm-up read so both see a warm page cache;
+- the conversion with calibration and evaluation off (they are measured separately by the quality report), for the
+  same-width layout (split) and the default (expand), each in a fresh process whose peak RSS is recorded; the time
+  is taken around the conversion call and, separately, for the whole process including interpreter start-up.
+
+Usage: python bench/convert_benchmark.py [--workdir DIR] [--layers 21]
+Writes bench/results/convert.md and bench/results/convert.json.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def make_checkpoint(folder: Path, layers: int) -> tuple[int, int]:
+    config = LlamaConfig(
+        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    for param in model.parameters():
+        param.data.normal_(0, 0.02, generator=generator)
+    model.save_pretrained(folder, max_shard_size="500MB")
+    layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    total = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    return total, layer_bytes
+
+
+# RUSAGE_CHILDREN reports the largest child so far, so each measured command runs under a fresh wrapper process
+# whose only child it is.
+WRAPPER = (
+    "import resource, subprocess, sys, time; t = time.perf_counter(); "
+    "out = subprocess.run(sys.argv[1:], check=True, capture_output=True, text=True).stdout; "
+    "print(out.strip().splitlines()[-1] if out.strip() else 0, time.perf_counter() - t, "
+    "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+)
+# The conversion inside the child, timed around the function call so that the interpreter's start-up (importing
+# torch and transformers, about 4 s here) is reported apart from the conversion itself.
+CONVERT = (
+    "import sys, time; from diff_llama.conversion.converter import ConversionOptions, convert_llama_to_diff_llama; "
+    "t = time.perf_counter(); "
+    "convert_llama_to_diff_llama(sys.argv[1], sys.argv[2], ConversionOptions(head_layout=sys.argv[3], "
+    "calibration='none', evaluate=False, max_shard_bytes=500 * 10**6), progress=False); "
+    "print(time.perf_counter() - t)"
+)
+
+
+def timed_child(command: list[str]) -> tuple[float, float, int]:
+    """(seconds the child reported on its last line, wall seconds of the whole child, peak RSS in bytes)."""
+    result = subprocess.run([sys.executable, "-c", WRAPPER, *command], check=True, capture_output=True, text=True)
+    inner, total, peak_kib = result.stdout.split()
+    return float(inner), float(total), int(peak_kib) * 1024
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", help="scratch folder (default: a temporary one, removed afterwards)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians are reported)")
+    parser.add_argument("--layers", type=int, default=21, help="decoder layers of the synthetic LLaMA (21: 2.2 GB)")
+    args = parser.parse_args()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="diff-llama-bench-"))
+    source = workdir / "llama"
+    total, layer_bytes = make_checkpoint(source, args.layers)
+    print(f"synthetic LLaMA: {total / 1e9:.2f} GB in {len(list(source.glob('*.safetensors')))} shards, "
+          f"one layer {layer_bytes / 1e6:.0f} MB")
+
+    for file in source.iterdir():  # warm the page cache for every contender alike
+        file.read_bytes()
+    copies, runs = [], {"split": [], "expand": []}
+    for _ in range(args.repeats):  # interleaved, medians reported
+        os.sync()  # every contender starts with no dirty pages waiting to be written back
+        started = time.perf_counter()
+        shutil.copytree(source, workdir / "copy")
+        copies.append(time.perf_counter() - started)
+        shutil.rmtree(workdir / "copy")
+        for layout in runs:
+            out = workdir / f"diff-{layout}"
+            os.sync()
+            inner, whole, peak = timed_child([sys.executable, "-c", CONVERT, str(source), str(out), layout])
+            written = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+            runs[layout].append((inner, whole, peak, written))
+            shutil.rmtree(out)
+    copy_seconds = statistics.median(copies)
+
+    rows = []
+    for layout, samples in runs.items():
+        inner = statistics.median(s[0] for s in samples)
+        whole = statistics.median(s[1] for s in samples)
+        peak = max(s[2] for s in samples)
+        rows.append({"layout": layout, "seconds": inner, "ratio_to_copy": inner / copy_seconds,
+                     "command_seconds": whole, "command_ratio_to_copy": whole / copy_seconds,
+                     "written_gb": samples[0][3] / 1e9, "peak_rss_gb": peak / 1e9,
+                     "peak_minus_layer_gb": (peak - layer_bytes) / 1e9})
+
+    # The baseline process memory of an interpreter with torch + transformers imported, for reference.
+    _, _, import_peak = timed_child([sys.executable, "-c", "import torch, transformers, diff_llama"])
+    result = {"checkpoint_gb": total / 1e9, "layer_mb": layer_bytes / 1e6, "copy_seconds": copy_seconds,
+              "import_peak_rss_gb": import_peak / 1e9, "conversions": rows, "threads": torch.get_num_threads()}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "convert.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [
+        f"Synthetic LLaMA {total / 1e9:.2f} GB (bf16, 500 MB shards, one layer {layer_bytes / 1e6:.0f} MB); "
+        f"copying the folder: {copy_seconds:.1f} s. Calibration and evaluation off; medians of {args.repeats} "
+        "interleaved runs.",
+        "",
+        "| layout | conversion s | x copy | whole process s (with start-up) | x copy | written GB | peak RSS GB "
+        "| peak − one layer GB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [f"| {r['layout']} | {r['seconds']:.1f} | {r['ratio_to_copy']:.2f} | {r['command_seconds']:.1f} | "
+              f"{r['command_ratio_to_copy']:.2f} | {r['written_gb']:.2f} | {r['peak_rss_gb']:.2f} | "
+              f"{r['peak_minus_layer_gb']:.2f} |" for r in rows]
+    lines.append(f"\nPeak RSS of a process that only imports torch, transformers and diff_llama: "
+                 f"{import_peak / 1e9:.2f} GB.")
+    (RESULTS / "convert.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    if not args.workdir:
+        shutil.rmtree(workdir)
+
+
+if __name__ == "__main__":
+    main()

