@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from diff_llama.conversion.converter import ConversionOptions, convert_llama_to_diff_llama
 from diff_llama.smollm2 import smollm2_gguf_path
@@ -34,8 +34,10 @@ def main():
     work = Path(tempfile.mkdtemp(prefix="diff-llama-quality-"))
     gguf = smollm2_gguf_path()
     # Dequantize once into a Transformers folder, so that every variant reads the same float32 weights quickly.
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    del model.config.quantization_config
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    del quantized.config.quantization_config
+    model = LlamaForCausalLM(quantized.config)  # a plain model: transformers refuses to save GGUF-loaded ones
+    model.load_state_dict(quantized.state_dict())
     model.save_pretrained(work / "source")
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(work / "source")
     rows = []

@@ -27,10 +27,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 RESULTS = Path(__file__).parent / "results"
 
 
-def make_checkpoint(folder: Path, layers: int) -> tuple[int, int]:
+def make_checkpoint(folder: Path, layers: int, hidden=2048, intermediate=5632, vocab=32000, heads=16,
+                    kv_heads=4) -> tuple[int, int]:
     config = LlamaConfig(
-        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
-        num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=False,
     )
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -53,12 +54,16 @@ WRAPPER = (
     "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
 )
 # The conversion inside the child, timed around the function call so that the interpreter's start-up (importing
-# torch and transformers, about 4 s here) is reported apart from the conversion itself.
+# torch and transformers, about 4 s here, plus first-use costs paid once by converting a tiny checkpoint) is
+# reported apart from the conversion itself.
 CONVERT = (
-    "import sys, time; from diff_llama.conversion.converter import ConversionOptions, convert_llama_to_diff_llama; "
-    "t = time.perf_counter(); "
-    "convert_llama_to_diff_llama(sys.argv[1], sys.argv[2], ConversionOptions(head_layout=sys.argv[3], "
-    "calibration='none', evaluate=False, max_shard_bytes=500 * 10**6), progress=False); "
+    "import os, shutil, sys, time; from diff_llama.conversion.converter import ConversionOptions, "
+    "convert_llama_to_diff_llama; "
+    "options = ConversionOptions(head_layout=sys.argv[3], calibration='none', evaluate=False, "
+    "max_shard_bytes=500 * 10**6); "
+    "convert_llama_to_diff_llama(sys.argv[4], sys.argv[2] + '-warmup', options, progress=False); "
+    "shutil.rmtree(sys.argv[2] + '-warmup'); os.sync(); "
+    "t = time.perf_counter(); convert_llama_to_diff_llama(sys.argv[1], sys.argv[2], options, progress=False); "
     "print(time.perf_counter() - t)"
 )
 
@@ -79,6 +84,8 @@ def main():
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="diff-llama-bench-"))
     source = workdir / "llama"
     total, layer_bytes = make_checkpoint(source, args.layers)
+    tiny = workdir / "tiny-llama"
+    make_checkpoint(tiny, 1, hidden=64, intermediate=128, vocab=256, heads=4, kv_heads=2)
     print(f"synthetic LLaMA: {total / 1e9:.2f} GB in {len(list(source.glob('*.safetensors')))} shards, "
           f"one layer {layer_bytes / 1e6:.0f} MB")
 
@@ -94,7 +101,7 @@ def main():
         for layout in runs:
             out = workdir / f"diff-{layout}"
             os.sync()
-            inner, whole, peak = timed_child([sys.executable, "-c", CONVERT, str(source), str(out), layout])
+            inner, whole, peak = timed_child([sys.executable, "-c", CONVERT, str(source), str(out), layout, str(tiny)])
             written = sum(f.stat().st_size for f in out.glob("*.safetensors"))
             runs[layout].append((inner, whole, peak, written))
             shutil.rmtree(out)

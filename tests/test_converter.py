@@ -315,3 +315,21 @@ def test_paper_lambda_start_and_user_calibration_text(tmp_path, llama_dir):
     assert (lambdas - init).abs().max() < 0.2 and (lambdas - init).abs().max() > 0  # N(0, 0.1) vectors: λ ≈ λ_init
     assert json.loads((out / "conversion_report.json").read_text())["options"]["calibration_text"] == str(text)
     assert report.quality["converted_perplexity"] > 0
+
+
+@pytest.mark.parametrize("layout", ["expand", "split"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_streaming_path_writes_the_same_tensors_as_the_in_memory_path(tmp_path, tokenizer, layout, dtype):
+    """Without calibration the converter copies stored bytes; with evaluation on it decodes every tensor. Both
+    must write identical checkpoints."""
+    src = make_llama(tmp_path / "llama", tokenizer, dtype=dtype, max_shard_size="60KB")
+    common = dict(head_layout=layout, calibration="none", **FAST)
+    convert_llama_to_diff_llama(str(src), str(tmp_path / "fast"), ConversionOptions(evaluate=False, **common),
+                                progress=False)
+    convert_llama_to_diff_llama(str(src), str(tmp_path / "slow"), ConversionOptions(evaluate=True, **common),
+                                progress=False)
+    fast = DiffLlamaForCausalLM.from_pretrained(tmp_path / "fast").state_dict()
+    slow = DiffLlamaForCausalLM.from_pretrained(tmp_path / "slow").state_dict()
+    assert fast.keys() == slow.keys()
+    for name in fast:
+        assert torch.equal(fast[name], slow[name]), name

@@ -16,7 +16,16 @@ from ..corpus import CALIBRATION_MODULES, HELD_OUT_MODULES, stdlib_docstrings
 from ..modeling_diff_llama import lambda_init_fn
 from .calibration import CalibrationSettings, LayerwiseRunner
 from .errors import ConversionError
-from .head_layout import HeadLayout, convert_attention_weights, expand_layout, split_layout, zero_lambda_vectors
+from .model_card import write_conversion_card
+from .head_layout import (
+    HeadLayout,
+    convert_attention_weights,
+    expand_layout,
+    gather_head_rows,
+    permute_o_proj,
+    split_layout,
+    zero_lambda_vectors,
+)
 from .source import FLOAT_DTYPES, SAFETENSORS_DTYPES, TOKENIZER_FILES, LlamaSource, open_source
 from .writer import AtomicOutputFolder, StreamingSafetensorsWriter
 
@@ -213,8 +222,11 @@ def convert_llama_to_diff_llama(
     diff_config = diff_config_for(config, layout)
     out_dtype = src.get("model.norm.weight").dtype  # the converted model keeps the checkpoint's dtype
 
-    tokenizer = _load_tokenizer(src)
     calibrating = options.calibration != "none"
+    # A folder's tokenizer files are copied as they are; loading the tokenizer costs time only worth paying when
+    # text is encoded or the tokenizer lives inside a GGUF file.
+    needs_tokenizer = calibrating or options.evaluate or src.description.endswith(".gguf")
+    tokenizer = _load_tokenizer(src) if needs_tokenizer else None
     if (calibrating or options.evaluate) and tokenizer is None:
         raise ConversionError(
             f"{src.description} has no tokenizer, which calibration and evaluation need; add the tokenizer files or "
@@ -245,6 +257,9 @@ def convert_llama_to_diff_llama(
         writer = StreamingSafetensorsWriter(folder, write_plan(diff_config, out_dtype), options.max_shard_bytes)
         bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="converting", disable=not progress)
 
+        def progress(name):
+            bar.update(src.tensor_bytes(name))
+
         def copy_tensor(name, keep=True):
             """Copy a tensor unchanged; as raw bytes when it need not be decoded (the fast path)."""
             shape, dtype = src.tensor_info(name)
@@ -255,27 +270,21 @@ def convert_llama_to_diff_llama(
             else:
                 tensor = src.get(name)
                 writer.add(name, tensor.to(out_dtype))
-            bar.update(src.tensor_bytes(name))
+            progress(name)
             return tensor
 
         copy_tensor("model.embed_tokens.weight", keep=False)
         for layer in range(config.num_hidden_layers):
             prefix = f"model.layers.{layer}."
+            if runner is None:  # nothing runs the model: stream, copying stored bytes wherever possible
+                _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype, copy_tensor, progress)
+                continue
             attention = {name: src.get(prefix + name) for name in LAYER_TENSORS if name.startswith("self_attn.")}
             new_attention = convert_attention_weights(
                 *(attention[f"self_attn.{p}.weight"] for p in ATTENTION_PROJECTIONS), layout, config.head_dim
             )
             converted = {f"self_attn.{p}.weight": t for p, t in new_attention.items()}
             converted.update({f"self_attn.{n}": v for n, v in _lambda_vectors(layer, diff_config, options).items()})
-            if runner is None:  # nothing runs the model: unchanged tensors are copied as bytes
-                for name in OUTPUT_LAYER_TENSORS:
-                    if name in converted:
-                        writer.add(prefix + name, converted[name].to(out_dtype))
-                    else:
-                        copy_tensor(prefix + name, keep=False)
-                bar.update(sum(t.numel() * t.element_size() for t in attention.values()))
-                continue
-
             source_tensors = {**attention, **{n: src.get(prefix + n) for n in LAYER_TENSORS if n not in attention}}
             converted = {**source_tensors, **converted}
             source_layer, converted_layer = runner.build_layers(layer, source_tensors, converted)
@@ -321,10 +330,37 @@ def convert_llama_to_diff_llama(
             layers=layer_diagnostics,
         )
         (folder / "conversion_report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
-        from .model_card import write_conversion_card
-
         write_conversion_card(folder, report, diff_config)
     return report
+
+
+def _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype, copy_tensor, progress) -> None:
+    """Write one converted layer without running it: q/k/v are row-block gathers of the stored tensors (kernel
+    copies), o_proj is permuted in memory, everything else is copied unchanged."""
+    head_dim, hidden = diff_config.head_dim, diff_config.hidden_size
+    o_proj = src.get(prefix + "self_attn.o_proj.weight")
+    lambdas = _lambda_vectors(layer, diff_config, options)
+    for name in OUTPUT_LAYER_TENSORS:
+        full = prefix + name
+        if name.startswith("self_attn.lambda"):
+            writer.add(full, lambdas[name.removeprefix("self_attn.")].to(out_dtype))
+        elif name == "self_attn.o_proj.weight":
+            writer.add(full, permute_o_proj(o_proj, layout, head_dim).to(out_dtype))
+            progress(full)
+        elif name.startswith("self_attn."):
+            sources = layout.query_sources if name.startswith("self_attn.q_proj") else layout.kv_sources
+            shape, dtype = src.tensor_info(full)
+            location = src.location(full)
+            if location is not None and dtype == SAFETENSORS_DTYPES[out_dtype]:
+                file, offset, length = location
+                block_bytes = length // (shape[0] // head_dim)
+                writer.add_row_blocks(full, (len(sources) * head_dim, hidden), out_dtype, file, offset, block_bytes,
+                                      sources)
+            else:
+                writer.add(full, gather_head_rows(src.get(full), sources, head_dim).to(out_dtype))
+            progress(full)
+        else:
+            copy_tensor(full, keep=False)
 
 
 def write_plan(config: DiffLlamaConfig, dtype: torch.dtype) -> list:

@@ -68,26 +68,19 @@ def expand_layout(source_heads: int, source_kv_heads: int) -> HeadLayout:
     return HeadLayout(query_sources, kv_sources)
 
 
-def _gather_heads(weight: torch.Tensor, sources, head_dim: int) -> torch.Tensor:
-    """Rows of a projection, head by head, zero rows for None."""
+def gather_head_rows(weight: torch.Tensor, sources, head_dim: int) -> torch.Tensor:
+    """Rows of a q/k/v projection, head by head (source head index, or zero rows for None)."""
     blocks = weight.view(-1, head_dim, *weight.shape[1:])
     zero = torch.zeros_like(blocks[0])
     return torch.cat([zero if s is None else blocks[s] for s in sources], dim=0)
 
 
-def convert_attention_weights(
-    q_proj: torch.Tensor,
-    k_proj: torch.Tensor,
-    v_proj: torch.Tensor,
-    o_proj: torch.Tensor,
-    layout: HeadLayout,
-    head_dim: int,
-) -> dict:
-    """LLaMA q/k/v/o weights (or biases for q/k/v, 1-D) rearranged into DiffLlama's layout.
+def permute_o_proj(o_proj: torch.Tensor, layout: HeadLayout, head_dim: int) -> torch.Tensor:
+    """o_proj columns in DiffLlama's order.
 
-    o_proj: differential head i outputs (A1 - λA2) [v_kv(i), v_kv(j)], j = i + H/2. With λ = 0 the first half
-    stands in for LLaMA head at position i and the second half for the head at position j, so each half keeps the
-    o_proj columns that head was trained with (zero columns for a zero head).
+    Differential head i outputs (A1 - λA2) [v_kv(i), v_kv(j)], j = i + H/2. With λ = 0 the first half stands in for
+    the LLaMA head at position i and the second half for the head at position j, so each half keeps the o_proj
+    columns that head was trained with (zero columns for a zero head).
     """
     half = layout.num_heads // 2
     hidden = o_proj.shape[0]
@@ -98,11 +91,23 @@ def convert_attention_weights(
         for position in (i, i + half):
             source = layout.query_sources[position]
             columns.append(zero if source is None else o_blocks[:, source])
+    return torch.cat(columns, dim=1)
+
+
+def convert_attention_weights(
+    q_proj: torch.Tensor,
+    k_proj: torch.Tensor,
+    v_proj: torch.Tensor,
+    o_proj: torch.Tensor,
+    layout: HeadLayout,
+    head_dim: int,
+) -> dict:
+    """LLaMA q/k/v/o weights rearranged into DiffLlama's layout."""
     return {
-        "q_proj": _gather_heads(q_proj, layout.query_sources, head_dim),
-        "k_proj": _gather_heads(k_proj, layout.kv_sources, head_dim),
-        "v_proj": _gather_heads(v_proj, layout.kv_sources, head_dim),
-        "o_proj": torch.cat(columns, dim=1),
+        "q_proj": gather_head_rows(q_proj, layout.query_sources, head_dim),
+        "k_proj": gather_head_rows(k_proj, layout.kv_sources, head_dim),
+        "v_proj": gather_head_rows(v_proj, layout.kv_sources, head_dim),
+        "o_proj": permute_o_proj(o_proj, layout, head_dim),
     }
 
 

@@ -90,9 +90,13 @@ class StreamingSafetensorsWriter:
         self._file = None
         self.total_bytes = sum(entry[3] for _, entry in self._queue)
 
+    def _close_file(self) -> None:
+        self._file.truncate()  # sets the size where the data ends, also when it ends in a hole
+        self._file.close()
+
     def _open_shard(self, index: int) -> None:
         if self._file is not None:
-            self._file.close()
+            self._close_file()
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         for name, shape, dtype, size in self._shards[index]:
             header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
@@ -125,6 +129,28 @@ class StreamingSafetensorsWriter:
     def add_bytes(self, name: str, shape: tuple, dtype: torch.dtype, source: Path, offset: int, length: int) -> None:
         """Append a tensor's bytes straight from another file (kernel-side copy where the OS allows)."""
         self._next(name, shape, dtype)
+        self._copy_range(name, source, offset, length)
+
+    def add_row_blocks(self, name: str, shape: tuple, dtype: torch.dtype, source: Path, offset: int,
+                       block_bytes: int, blocks) -> None:
+        """Append a tensor made of equal row blocks of a stored tensor (block i of the source, or zeros for None),
+        copying runs of consecutive blocks in one kernel-side copy: a head gather without decoding anything."""
+        self._next(name, shape, dtype)
+        runs = []  # (first source block or None, count)
+        for block in blocks:
+            if runs and runs[-1][0] is not None and block is not None and block == runs[-1][0] + runs[-1][1]:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            elif runs and runs[-1][0] is None and block is None:
+                runs[-1] = (None, runs[-1][1] + 1)
+            else:
+                runs.append((block, 1))
+        for first, count in runs:
+            if first is None:  # zeros as a hole in a sparse file: free to write, reads back as zeros
+                self._file.seek(block_bytes * count, os.SEEK_CUR)
+            else:
+                self._copy_range(name, source, offset + first * block_bytes, count * block_bytes)
+
+    def _copy_range(self, name: str, source: Path, offset: int, length: int) -> None:
         with open(source, "rb", buffering=0) as handle:
             copied = 0
             try:
@@ -146,7 +172,7 @@ class StreamingSafetensorsWriter:
         if self._position != len(self._queue):
             missing = self._queue[self._position][1][0]
             raise ConversionError(f"internal error: conversion stopped before writing {missing}")
-        self._file.close()
+        self._close_file()
         if len(self._file_names) > 1:
             weight_map = {
                 entry[0]: self._file_names[index] for index, shard in enumerate(self._shards) for entry in shard
