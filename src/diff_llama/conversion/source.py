@@ -149,13 +149,16 @@ def _read_safetensors_header(file: Path) -> dict:
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise truncated from None
     entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        if 8 + header_length + end > size:
-            raise truncated
-        entries[name] = (info["dtype"], tuple(info["shape"]), 8 + header_length + begin, end - begin)
+    try:
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = info["data_offsets"]
+            if 8 + header_length + end > size:
+                raise truncated
+            entries[name] = (info["dtype"], tuple(info["shape"]), 8 + header_length + begin, end - begin)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise truncated from None
     return entries
 
 
