@@ -41,14 +41,13 @@ class HeadLayout:
             raise ValueError("every LLaMA query head must appear exactly once")
 
 
-def split_layout(source_heads: int, source_kv_heads: int, group_order=None) -> HeadLayout:
+def split_layout(source_heads: int, source_kv_heads: int) -> HeadLayout:
     """Same width as the LLaMA: LLaMA head i is the first map of differential head i, head i + H/2 the second.
 
-    Odd H gets one extra KV group of zero heads at the end (SPEC.md). `group_order` permutes the LLaMA's KV groups
-    (with their query heads), which chooses which heads share a differential head.
+    Odd H gets one extra KV group of zero heads at the end (SPEC.md).
     """
     per_kv = source_heads // source_kv_heads
-    groups = list(range(source_kv_heads)) if group_order is None else list(group_order)
+    groups = list(range(source_kv_heads))
     if source_heads % 2:
         groups.append(None)
     kv_sources = tuple(groups)
