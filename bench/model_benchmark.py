@@ -1,0 +1,203 @@
+"""Speed and memory of diff-llama against transformers' built-in DiffLlama and Llama, in ONE run.
+
+Same config (hidden 512, 8 heads, 4 layers, vocab 32000 unless told), dtype, threads and inputs for all three;
+the Llama has the same shapes, so the same parameter count but for the 4 λ vectors per layer. Every figure is the
+median of interleaved repetitions (model A, B, C, A, B, C, ...):
+- prefill time at 512 and 2048 tokens (batch 1, logits of the last token);
+- decode tokens/s with the dynamic cache at batch 1 and 8, and with the static cache with and without torch.compile
+  (batch 1; on CPU generate compiles only when forced);
+- one training step (forward + backward, batch 4 x 256) time, and its peak memory: how far resident memory grows
+  during the step (gradients already allocated), sampled in a fresh process per model.
+
+Usage: python bench/model_benchmark.py [--rounds 5] [--dtype float32] [--threads 2] [--skip-compile]
+Writes bench/results/model.json, bench/results/model.md and bench/results/model.png.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import textwrap
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+MODELS = ("llama", "diff-llama", "built-in")
+SHAPE = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=8, max_position_embeddings=4096)
+
+
+def build(name: str, dtype: torch.dtype):
+    torch.manual_seed(0)
+    if name == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(**SHAPE))
+    elif name == "diff-llama":
+        from diff_llama import DiffLlamaConfig, DiffLlamaForCausalLM
+
+        model = DiffLlamaForCausalLM(DiffLlamaConfig(**SHAPE))
+    else:
+        from transformers import DiffLlamaConfig, DiffLlamaForCausalLM
+
+        model = DiffLlamaForCausalLM(DiffLlamaConfig(**SHAPE))
+    return model.to(dtype).eval()
+
+
+@torch.no_grad()
+def prefill_seconds(model, ids):
+    started = time.perf_counter()
+    model(ids, logits_to_keep=1)
+    return time.perf_counter() - started
+
+
+@torch.no_grad()
+def decode_tokens_per_second(model, prompt, new_tokens, **generate_kwargs):
+    started = time.perf_counter()
+    model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **generate_kwargs)
+    return prompt.shape[0] * new_tokens / (time.perf_counter() - started)
+
+
+def training_step_seconds(model, batch):
+    model.train()
+    started = time.perf_counter()
+    model(batch, labels=batch).loss.backward()
+    elapsed = time.perf_counter() - started
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    return elapsed
+
+
+# In a fresh process: the growth of resident memory during one training step, sampled every half millisecond
+# (the process's all-time peak would be the model's construction, not the step).
+TRAIN_MEMORY_CHILD = """
+import os, sys, threading, time, torch
+sys.path.insert(0, {bench!r})
+from model_benchmark import build
+torch.set_num_threads({threads})
+page = os.sysconf("SC_PAGE_SIZE")
+def resident():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * page
+model = build({name!r}, getattr(torch, {dtype!r})).train()
+batch = torch.randint(0, 32000, (4, 256), generator=torch.Generator().manual_seed(1))
+model(batch[:, :8], labels=batch[:, :8]).loss.backward()  # autograd warm, gradients allocated
+model.zero_grad(set_to_none=False)
+before, peak, running = resident(), [0], [True]
+def sample():
+    while running[0]:
+        peak[0] = max(peak[0], resident())
+        time.sleep(0.0005)
+sampler = threading.Thread(target=sample)
+sampler.start()
+model(batch, labels=batch).loss.backward()
+running[0] = False
+sampler.join()
+print(max(peak[0], resident()) - before)
+"""
+
+
+def training_peak_bytes(name, dtype_name, threads):
+    code = TRAIN_MEMORY_CHILD.format(bench=str(Path(__file__).parent), threads=threads, name=name, dtype=dtype_name)
+    result = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return int(result.stdout.split()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-compile", action="store_true", help="leave out the compiled static-cache decode")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    models = {name: build(name, dtype) for name in MODELS}
+    generator = torch.Generator().manual_seed(0)
+    long_ids = torch.randint(0, 32000, (8, 2048), generator=generator)
+    train_batch = torch.randint(0, 32000, (4, 256), generator=generator)
+
+    from transformers import CompileConfig
+
+    compile_config = CompileConfig(fullgraph=True)
+    compile_config._compile_all_devices = True  # generate compiles a static cache on CPU only when forced
+    figures = {
+        "prefill 512 (ms)": lambda m: 1000 * prefill_seconds(m, long_ids[:1, :512]),
+        "prefill 2048 (ms)": lambda m: 1000 * prefill_seconds(m, long_ids[:1]),
+        "decode b1 dynamic (tok/s)": lambda m: decode_tokens_per_second(m, long_ids[:1, :128], 32),
+        "decode b8 dynamic (tok/s)": lambda m: decode_tokens_per_second(m, long_ids[:, :128], 32),
+        "decode b1 static (tok/s)": lambda m: decode_tokens_per_second(
+            m, long_ids[:1, :128], 32, cache_implementation="static"
+        ),
+        "train step b4x256 (ms)": lambda m: 1000 * training_step_seconds(m, train_batch),
+    }
+    if not args.skip_compile:
+        figures["decode b1 static+compile (tok/s)"] = lambda m: decode_tokens_per_second(
+            m, long_ids[:1, :128], 32, cache_implementation="static", compile_config=compile_config
+        )
+
+    for name, model in models.items():  # warm-up, and the one-time compilation
+        for label, measure in figures.items():
+            print(f"warm-up {name}: {label}", flush=True)
+            measure(model)
+    samples = {label: {name: [] for name in models} for label in figures}
+    for round_index in range(args.rounds):
+        for label, measure in figures.items():
+            for name, model in models.items():
+                samples[label][name].append(measure(model))
+        print(f"round {round_index + 1}/{args.rounds} done", flush=True)
+    peaks = {name: training_peak_bytes(name, args.dtype, args.threads) for name in models}
+
+    results = {label: {name: statistics.median(values) for name, values in by_model.items()}
+               for label, by_model in samples.items()}
+    results["train step peak memory (MB)"] = {name: peak / 1e6 for name, peak in peaks.items()}
+    write_results(results, args)
+
+
+def write_results(results, args):
+    RESULTS.mkdir(exist_ok=True)
+    meta = {"shape": SHAPE, "dtype": args.dtype, "threads": args.threads, "rounds": args.rounds,
+            "torch": torch.__version__}
+    (RESULTS / "model.json").write_text(json.dumps({"config": meta, "results": results}, indent=2) + "\n")
+    lines = [
+        f"hidden {SHAPE['hidden_size']}, {SHAPE['num_attention_heads']} heads, {SHAPE['num_hidden_layers']} layers, "
+        f"{args.dtype}, {args.threads} threads, medians of {args.rounds} interleaved rounds. Times: lower is better; "
+        "tok/s: higher is better.",
+        "",
+        "| figure | Llama | diff-llama | built-in DiffLlama | diff-llama / Llama | diff-llama / built-in |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, values in results.items():
+        ours, llama, builtin = values["diff-llama"], values["llama"], values["built-in"]
+        lines.append(f"| {label} | {llama:.1f} | {ours:.1f} | {builtin:.1f} | {ours / llama:.2f} | {ours / builtin:.2f} |")
+    (RESULTS / "model.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot(results)
+
+
+def plot(results):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(results)
+    fig, ax = plt.subplots(figsize=(12, 5))
+    width = 0.38
+    for offset, (name, colour) in zip((-width / 2, width / 2), (("diff-llama", "tab:blue"), ("built-in", "tab:orange"))):
+        ratios = [results[label][name] / results[label]["llama"] for label in labels]
+        ax.bar([i + offset for i in range(len(labels))], ratios, width, label=name, color=colour)
+    ax.axhline(1.0, color="black", linewidth=1)
+    ax.set_xticks(range(len(labels)), [textwrap.fill(label, 14) for label in labels], fontsize=8)
+    ax.set_ylabel("ratio to Llama (time/memory: lower is better; tok/s: higher)")
+    ax.set_title("Differential attention on CPU: ratio to LlamaForCausalLM of the same shape")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "model.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
