@@ -43,3 +43,40 @@ def test_export_builtin_command(tmp_path, capsys):
 def test_console_help_lists_commands():
     result = subprocess.run([sys.executable, "-m", "diff_llama.cli", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "demo" in result.stdout and "export-builtin" in result.stdout
+
+
+def test_generate_command_streams_text(tmp_path, tokenizer, capsys):
+    model = tiny_model(vocab_size=len(tokenizer))
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    assert main(["generate", str(tmp_path / "m"), "The quick brown", "--max-new-tokens", "8"]) == 0
+    greedy = capsys.readouterr().out
+    inputs = tokenizer("The quick brown", return_tensors="pt")
+    expected = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    new_tokens = expected[0, inputs["input_ids"].shape[1] :]
+    assert greedy.strip() == tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
+    assert main(["generate", str(tmp_path / "m"), "The quick brown", "--max-new-tokens", "8", "--temperature", "1.0"]) == 0
+
+
+def test_attention_map_command_writes_pngs(tmp_path, tokenizer, capsys):
+    model = tiny_model(vocab_size=len(tokenizer), num_attention_heads=6, num_key_value_heads=3)
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    out = tmp_path / "maps"
+    assert main(["attention-map", str(tmp_path / "m"), "--text", "The quick brown fox", "--layer", "1",
+                 "--output", str(out)]) == 0
+    pngs = sorted(out.glob("*.png"))
+    assert [p.name for p in pngs] == ["layer1-head0.png", "layer1-head1.png", "layer1-head2.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000 for p in pngs)
+    assert main(["attention-map", str(tmp_path / "m"), "--text", "x", "--layer", "7"]) == 2
+    assert "--layer must be between 0 and 2" in capsys.readouterr().err
+
+
+def test_attention_maps_are_the_models_maps(tokenizer):
+    from diff_llama.attention_maps import attention_maps
+
+    model = tiny_model(vocab_size=len(tokenizer), num_attention_heads=4, num_key_value_heads=2)
+    maps, lam, differential, tokens = attention_maps(model, tokenizer, "The quick brown fox", layer=2)
+    assert maps.shape[0] == 4 and differential.shape[0] == 2 and len(tokens) == maps.shape[-1]
+    torch.testing.assert_close(differential, maps[:2] - lam * maps[2:])
+    torch.testing.assert_close(maps.sum(-1), torch.ones(maps.shape[:2]))

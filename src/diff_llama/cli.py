@@ -2,6 +2,7 @@
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +60,34 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard, e.g. 500MB or 5GB (default: %(default)s)")
     convert.add_argument("--prompt", help="after converting, answer this prompt with the converted model")
 
+    generate = commands.add_parser(
+        "generate",
+        help="generate text with a model, streamed to the terminal",
+        description="Generate from a saved model (any causal LM folder). Uses the tokenizer's chat template when it "
+        "has one (pass --raw to send the prompt as plain text). Greedy unless --temperature is above 0.",
+    )
+    generate.add_argument("model", help="model folder")
+    generate.add_argument("prompt", help="the prompt")
+    generate.add_argument("--max-new-tokens", type=int, default=200, help="default: %(default)s")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    generate.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (with --temperature; default 0.95)")
+    generate.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    generate.add_argument("--raw", action="store_true", help="ignore the chat template")
+
+    attention = commands.add_parser(
+        "attention-map",
+        help="write PNG heatmaps of A1, A2 and A1 − λA2 for one differential head",
+        description="Run TEXT through MODEL with eager attention and draw, for one layer and differential head, "
+        "the two softmax maps and the differential map the model applies, side by side. With --source (the LLaMA it "
+        "was converted from), also draws the LLaMA head that became map A1.",
+    )
+    attention.add_argument("model", help="DiffLlama model folder")
+    attention.add_argument("--text", required=True, help="text to look at (short texts give readable token labels)")
+    attention.add_argument("--layer", type=int, required=True, help="layer index, from 0")
+    attention.add_argument("--head", type=int, help="differential head index, from 0 (default: every head)")
+    attention.add_argument("--source", help="the source LLaMA folder, to draw its head next to them")
+    attention.add_argument("--output", default="attention-maps", help="folder for the PNGs (default: %(default)s)")
+
     export = commands.add_parser(
         "export-builtin",
         help="save a DiffLlama checkpoint for transformers' built-in DiffLlamaForCausalLM (even KV heads only)",
@@ -76,6 +105,10 @@ def main(argv=None) -> int:
         run_demo(args.output, steps=args.steps)
     elif args.command == "convert":
         return _convert(args)
+    elif args.command == "generate":
+        return _generate(args)
+    elif args.command == "attention-map":
+        return _attention_map(args)
     elif args.command == "export-builtin":
         from pathlib import Path
 
@@ -130,18 +163,67 @@ def _convert(args) -> int:
     return 0
 
 
+def _generate(args) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+    inputs = _encode_prompt(tokenizer, args.prompt, use_chat_template=not args.raw)
+    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p) if args.temperature > 0 else {}
+    torch.manual_seed(args.seed)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    model.generate(**inputs, max_new_tokens=args.max_new_tokens, streamer=streamer, **sampling)
+    return 0
+
+
+def _attention_map(args) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .attention_maps import attention_maps, plot_head
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+    try:
+        maps, lam, differential, tokens = attention_maps(model, tokenizer, args.text, args.layer)
+    except ValueError as error:
+        print(f"diff-llama attention-map: error: {error}", file=sys.stderr)
+        return 2
+    source_maps = None
+    if args.source:
+        source = AutoModelForCausalLM.from_pretrained(args.source, attn_implementation="eager")
+        source_maps = source(**tokenizer(args.text, return_tensors="pt"), output_attentions=True).attentions[args.layer][0]
+    heads = range(maps.shape[0] // 2) if args.head is None else [args.head]
+    for head in heads:
+        # Both conversion layouts make LLaMA head i the first map of differential head i.
+        source_head = None
+        if source_maps is not None and head < source_maps.shape[0]:
+            source_head = source_maps[head].detach().float()
+        try:
+            path = plot_head(maps, lam, differential, tokens, head, args.layer,
+                             Path(args.output) / f"layer{args.layer}-head{head}.png", source_head)
+        except ValueError as error:
+            print(f"diff-llama attention-map: error: {error}", file=sys.stderr)
+            return 2
+        print(f"wrote {path}")
+    return 0
+
+
+def _encode_prompt(tokenizer, prompt: str, use_chat_template: bool = True):
+    if use_chat_template and tokenizer.chat_template:
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+    return tokenizer(prompt, return_tensors="pt")
+
+
 def answer_prompt(model_dir: str, prompt: str, max_new_tokens: int = 60) -> str:
     """Greedy answer from a saved model, through its chat template when it has one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    if tokenizer.chat_template:
-        inputs = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
-    else:
-        inputs = tokenizer(prompt, return_tensors="pt")
+    inputs = _encode_prompt(tokenizer, prompt)
     output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 

@@ -1,0 +1,59 @@
+"""Pictures of differential attention: A1, A2 and A1 − λ·A2 of one head, side by side (PNG)."""
+
+from pathlib import Path
+
+import torch
+
+
+@torch.no_grad()
+def attention_maps(model, tokenizer, text: str, layer: int):
+    """Softmax maps (H, q, k), λ and the differential maps (H/2, q, k) of one layer for `text`, plus the tokens."""
+    from .modeling_diff_llama import differential_attention_maps
+
+    if not 0 <= layer < model.config.num_hidden_layers:
+        raise ValueError(f"--layer must be between 0 and {model.config.num_hidden_layers - 1}, got {layer}.")
+    model.set_attn_implementation("eager")  # only eager attention returns the softmax maps
+    inputs = tokenizer(text, return_tensors="pt")
+    out = model(**inputs, output_attentions=True)
+    maps = out.attentions[layer][0].float()
+    lam = model.get_lambdas()[layer].float()
+    tokens = tokenizer.convert_ids_to_tokens(inputs["input_ids"][0])
+    return maps, lam, differential_attention_maps(maps[None], lam)[0], tokens
+
+
+def plot_head(maps, lam, differential, tokens, head: int, layer: int, output: str | Path, source_maps=None):
+    """Write a PNG: A1, A2, A1 − λA2 of differential head `head` (and the source LLaMA's heads if given)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    half = maps.shape[0] // 2
+    if not 0 <= head < half:
+        raise ValueError(f"--head must be between 0 and {half - 1} (this model has {half} differential heads).")
+    panels = [
+        (maps[head], f"A1 (map {head})", "viridis", 0.0, 1.0),
+        (maps[head + half], f"A2 (map {head + half})", "viridis", 0.0, 1.0),
+    ]
+    limit = max(differential[head].abs().max().item(), 1e-6)
+    panels.append((differential[head], f"A1 − λ·A2 (λ = {lam.item():.3f})", "RdBu_r", -limit, limit))
+    if source_maps is not None:
+        panels.append((source_maps, "source LLaMA head", "viridis", 0.0, 1.0))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.4))
+    labels = [t.replace("Ġ", "·").replace("Ċ", "\\n") for t in tokens]
+    for ax, (data, title, cmap, vmin, vmax) in zip(axes, panels):
+        image = ax.imshow(data.numpy(), cmap=cmap, vmin=vmin, vmax=vmax)
+        ax.set_title(title, fontsize=10)
+        if len(labels) <= 40:
+            ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=6)
+            ax.set_yticks(range(len(labels)), labels, fontsize=6)
+        ax.set_xlabel("key")
+        ax.set_ylabel("query")
+        fig.colorbar(image, ax=ax, fraction=0.046)
+    fig.suptitle(f"layer {layer}, differential head {head}")
+    fig.tight_layout()
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=130)
+    plt.close(fig)
+    return output
