@@ -1,0 +1,64 @@
+"""The monitoring callback with the real Trainer on a tiny model."""
+
+import math
+
+import pytest
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from conftest import SAMPLE_TEXT, tiny_model
+from diff_llama.monitoring import (
+    DifferentialAttentionCallback,
+    differential_attention_stats,
+    plot_differential_attention,
+)
+
+
+def test_stats_follow_their_definitions():
+    model = tiny_model(num_attention_heads=4, num_key_value_heads=2)
+    probe = torch.randint(3, 128, (1, 12))
+    stats = differential_attention_stats(model, probe)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        attentions = model(probe, output_attentions=True).attentions
+    lambdas = model.get_lambdas()
+    for layer in range(3):
+        a1, a2 = attentions[layer][0, :2], attentions[layer][0, 2:]
+        m = a1 - lambdas[layer] * a2
+        assert stats[f"diff_attn/lambda/layer_{layer}"] == pytest.approx(lambdas[layer].item())
+        assert stats[f"diff_attn/first_token_mass/layer_{layer}"] == pytest.approx(m[..., 0].mean().item(), rel=1e-5)
+        negative = m.clamp_max(0).abs().sum() / m.abs().sum()
+        assert stats[f"diff_attn/negative_share/layer_{layer}"] == pytest.approx(negative.item(), rel=1e-5)
+        assert 0 <= stats[f"diff_attn/entropy/layer_{layer}"] <= math.log(12)
+    assert model.config._attn_implementation == "eager"  # set by this test, restored by the function below
+    model.set_attn_implementation("sdpa")
+    differential_attention_stats(model, probe)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_callback_logs_through_the_real_trainer(tmp_path, tokenizer):
+    model = tiny_model(vocab_size=len(tokenizer)).train()
+    ids = tokenizer(SAMPLE_TEXT, return_tensors="pt").input_ids[0]
+    blocks = ids[: (len(ids) // 32) * 32].view(-1, 32)
+    dataset = [{"input_ids": block, "labels": block} for block in blocks]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"), max_steps=6, logging_steps=2, per_device_train_batch_size=4,
+        learning_rate=1e-2, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+    )
+    probe = tokenizer("The quick brown fox jumps over the lazy dog.", return_tensors="pt").input_ids
+
+    class Recorder(TrainerCallback):  # stands in for a report_to integration, which runs before user callbacks
+        seen = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.seen.append(dict(logs))
+
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[Recorder()])
+    DifferentialAttentionCallback.attach(trainer, probe)
+    trainer.train()
+    assert sum("diff_attn/mean_abs_lambda" in logs for logs in Recorder.seen) >= 3
+    logged = [e for e in trainer.state.log_history if "diff_attn/mean_abs_lambda" in e]
+    assert len(logged) >= 3 and all("loss" in e for e in logged[:3])
+    assert logged[0]["diff_attn/lambda/layer_1"] != logged[-1]["diff_attn/lambda/layer_1"]  # λ is being trained
+    path = plot_differential_attention(trainer.state.log_history, tmp_path / "lambda.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
