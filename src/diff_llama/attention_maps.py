@@ -4,6 +4,8 @@ from pathlib import Path
 
 import torch
 
+from .plotting import pyplot, save_png
+
 
 @torch.no_grad()
 def attention_maps(model, tokenizer, text: str, layer: int):
@@ -23,10 +25,7 @@ def attention_maps(model, tokenizer, text: str, layer: int):
 
 def plot_head(maps, lam, differential, tokens, head: int, layer: int, output: str | Path, source_maps=None):
     """Write a PNG: A1, A2, A1 − λA2 of differential head `head` (and the source LLaMA's heads if given)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     half = maps.shape[0] // 2
     if not 0 <= head < half:
@@ -51,9 +50,4 @@ def plot_head(maps, lam, differential, tokens, head: int, layer: int, output: st
         ax.set_ylabel("query")
         fig.colorbar(image, ax=ax, fraction=0.046)
     fig.suptitle(f"layer {layer}, differential head {head}")
-    fig.tight_layout()
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=130)
-    plt.close(fig)
-    return output
+    return save_png(fig, output, dpi=130)

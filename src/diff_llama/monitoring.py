@@ -7,6 +7,7 @@ import torch
 from transformers import TrainerCallback
 
 from .modeling_diff_llama import differential_attention_maps
+from .plotting import pyplot, save_png
 
 
 @torch.no_grad()
@@ -77,10 +78,7 @@ class DifferentialAttentionCallback(TrainerCallback):
 
 def plot_differential_attention(log_history: list[dict], output: str | Path) -> Path:
     """PNG of λ and the map statistics per layer against the training step, from `trainer.state.log_history`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     entries = [e for e in log_history if "diff_attn/mean_abs_lambda" in e]
     if not entries:
@@ -96,9 +94,4 @@ def plot_differential_attention(log_history: list[dict], output: str | Path) -> 
         ax.set_title(statistic.replace("_", " "))
         ax.set_xlabel("step")
     axes[0].legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=120)
-    plt.close(fig)
-    return output
+    return save_png(fig, output, dpi=120)
