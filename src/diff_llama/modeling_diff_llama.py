@@ -176,8 +176,6 @@ class DiffLlamaAttention(nn.Module):
         # Query head h (either map of differential head i = h mod H/2) must read v_kv(i) and v_kv(i + H/2), side by
         # side: the first and second half of the key/value heads, each repeated for both halves of the queries.
         first_values, second_values = value_states.chunk(2, dim=1)
-        first_values = torch.cat([first_values, first_values], dim=1)
-        second_values = torch.cat([second_values, second_values], dim=1)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -188,14 +186,17 @@ class DiffLlamaAttention(nn.Module):
             # kernels want equal query/key/value widths, so queries and keys get d zero channels: the scores, hence
             # the maps, are unchanged (the scaling stays 1/sqrt(d)). On CPU at 2048 tokens this is 1.7x one Llama
             # attention call, where two d-wide calls cost 2x and a 2d-wide value alone falls off the fused kernel (7x).
+            value_pairs = torch.cat([first_values, second_values], dim=-1)
             attn_output, attn_weights = call(
                 query=nn.functional.pad(query_states, (0, self.head_dim)),
                 key=nn.functional.pad(key_states, (0, self.head_dim)),
-                value=torch.cat([first_values, second_values], dim=-1),
+                value=torch.cat([value_pairs, value_pairs], dim=1),
                 **kwargs,
             )
         else:
             # Decoding one token: padding the whole cached keys every step costs more than forming the scores twice.
+            first_values = torch.cat([first_values, first_values], dim=1)
+            second_values = torch.cat([second_values, second_values], dim=1)
             first_output, attn_weights = call(query=query_states, key=key_states, value=first_values, **kwargs)
             second_output, _ = call(query=query_states, key=key_states, value=second_values, **kwargs)
             attn_output = torch.cat([first_output, second_output], dim=-1)
