@@ -46,6 +46,13 @@ def softmax_maps(q, k, allowed, d):
     return torch.softmax(scores, -1)
 
 
+def checkpoint_state_dict(model):
+    """The model's weights under the SPEC's checkpoint names (what save_pretrained writes), e.g. `self_attn.lambda_q1`."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, model.state_dict())
+
+
 def reference_forward(config, state_dict, input_ids, attention_mask=None, return_maps=False):
     """Logits (B, T, V) in float64 for a DiffLlamaForCausalLM state dict; optionally the per-layer A1, A2, λ.
 

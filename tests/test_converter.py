@@ -81,8 +81,8 @@ def _attention_pair(layout_fn, heads, kv_heads, tie_maps=False):
         for name, tensor in weights.items():
             getattr(diff, name).weight.copy_(tensor)
         for name, vector in zero_lambda_vectors(lambda_init_fn(2), 8, dtype=torch.float64).items():
-            getattr(diff, name).copy_(vector)
-        diff.o_proj.weight.div_(1 - diff.lambda_init)
+            getattr(diff.differential_lambda, name).copy_(vector)
+        diff.o_proj.weight.div_(1 - diff.differential_lambda.lambda_init)
     diff.head_norm = torch.nn.Identity()  # isolate the layout from the per-head norm
     hidden = torch.randn(2, 10, config.hidden_size, dtype=torch.float64)
     rope = LlamaRotaryEmbedding(config)(hidden, torch.arange(10)[None])

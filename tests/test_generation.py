@@ -6,7 +6,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig, DynamicCache, pipeline
 
 from conftest import tiny_model
-from reference import reference_forward
+from reference import checkpoint_state_dict, reference_forward
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(6, 3), (8, 1), (8, 4)])
@@ -32,7 +32,7 @@ def test_greedy_generation_matches_reference_argmax():
     model = tiny_model(torch.float64)
     prompt = torch.randint(3, 128, (1, 5))
     generated = _greedy(model, prompt)
-    logits = reference_forward(model.config, model.state_dict(), generated[:, :-1])
+    logits = reference_forward(model.config, checkpoint_state_dict(model), generated[:, :-1])
     expected_next = logits[0, prompt.shape[1] - 1 :].argmax(-1)
     assert generated[0, prompt.shape[1] :].tolist() == expected_next.tolist()
 
@@ -88,7 +88,7 @@ def test_half_precision_stays_finite_and_close(dtype, attn):
     assert logits.dtype == dtype and torch.isfinite(logits).all()
     assert (logits.float() - expected).abs().max() < 0.05
     assert torch.isfinite(_greedy(model, input_ids[:, :5]).float()).all()
-    assert model.model.layers[0].self_attn.lambda_full().dtype == torch.float32
+    assert model.model.layers[0].self_attn.differential_lambda().dtype == torch.float32
 
 
 def test_text_generation_pipeline(tokenizer):

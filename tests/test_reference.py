@@ -7,7 +7,7 @@ import torch
 
 from conftest import tiny_model
 from diff_llama import differential_attention_maps
-from reference import reference_forward
+from reference import checkpoint_state_dict, reference_forward
 
 # (H, G): odd G, G = 1 (multi-query), H/2 odd, G = H, even G with H/2 odd.
 LAYOUTS = [(6, 3), (6, 1), (2, 1), (8, 4), (8, 1), (6, 6), (12, 3), (10, 2)]
@@ -40,7 +40,7 @@ def test_float64_logits_match_reference(heads, kv_heads, attn):
     input_ids, attention_mask = random_batch()
     with torch.no_grad():
         logits = model(input_ids, attention_mask=attention_mask).logits
-    expected = reference_forward(model.config, model.state_dict(), input_ids, attention_mask)
+    expected = reference_forward(model.config, checkpoint_state_dict(model), input_ids, attention_mask)
     real = attention_mask.bool()
     torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=1e-12)
 
@@ -49,7 +49,7 @@ def test_reference_detects_a_wrong_pairing():
     """Guards the reference itself: pairing heads (i, i+1) instead of (i, i + H/2) must be visible."""
     model = tiny_model(torch.float64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1)
     input_ids, _ = random_batch()
-    expected = reference_forward(model.config, model.state_dict(), input_ids)
+    expected = reference_forward(model.config, checkpoint_state_dict(model), input_ids)
     state = dict(model.state_dict())
     q = state["model.layers.0.self_attn.q_proj.weight"].view(4, 8, -1)
     state["model.layers.0.self_attn.q_proj.weight"] = q[[0, 2, 1, 3]].reshape(32, -1)
@@ -68,7 +68,7 @@ def test_flex_attention_matches_reference(heads, kv_heads):
     input_ids, attention_mask = random_batch()
     with torch.no_grad():
         logits = model(input_ids, attention_mask=attention_mask).logits
-    expected = reference_forward(model.config, model.state_dict(), input_ids, attention_mask)
+    expected = reference_forward(model.config, checkpoint_state_dict(model), input_ids, attention_mask)
     real = attention_mask.bool()
     torch.testing.assert_close(logits[real].double(), expected[real], rtol=0, atol=2e-5)
 
@@ -81,7 +81,7 @@ def test_output_attentions_and_differential_maps(heads, kv_heads):
     input_ids, attention_mask = random_batch(batch=2)
     with torch.no_grad():
         out = model(input_ids, attention_mask=attention_mask, output_attentions=True)
-    _, maps = reference_forward(model.config, model.state_dict(), input_ids, attention_mask, return_maps=True)
+    _, maps = reference_forward(model.config, checkpoint_state_dict(model), input_ids, attention_mask, return_maps=True)
     lambdas = model.get_lambdas()
     assert len(out.attentions) == model.config.num_hidden_layers
     diff_maps = differential_attention_maps(out.attentions, lambdas)
@@ -111,9 +111,9 @@ def test_lambda_follows_equation_and_layer_depth():
 
     for layer, attn in enumerate(layer.self_attn for layer in model.model.layers):
         expected = (
-            math.exp((attn.lambda_q1 @ attn.lambda_k1).item())
-            - math.exp((attn.lambda_q2 @ attn.lambda_k2).item())
+            math.exp((attn.differential_lambda.lambda_q1 @ attn.differential_lambda.lambda_k1).item())
+            - math.exp((attn.differential_lambda.lambda_q2 @ attn.differential_lambda.lambda_k2).item())
             + 0.8
             - 0.6 * math.exp(-0.3 * layer)
         )
-        assert attn.lambda_full().item() == pytest.approx(expected, abs=1e-12)
+        assert attn.differential_lambda().item() == pytest.approx(expected, abs=1e-12)

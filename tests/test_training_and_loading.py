@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import SAMPLE_TEXT, tiny_config, tiny_model
 from diff_llama import DiffLlamaForCausalLM
@@ -22,10 +23,19 @@ def test_fresh_model_initialisation():
 def test_init_does_not_overwrite_loaded_lambdas(tmp_path):
     model = tiny_model()
     with torch.no_grad():
-        model.model.layers[1].self_attn.lambda_q2.fill_(0.123)
+        model.model.layers[1].self_attn.differential_lambda.lambda_q2.fill_(0.123)
     model.save_pretrained(tmp_path)
     loaded = DiffLlamaForCausalLM.from_pretrained(tmp_path)
-    assert torch.all(loaded.model.layers[1].self_attn.lambda_q2 == 0.123)
+    assert torch.all(loaded.model.layers[1].self_attn.differential_lambda.lambda_q2 == 0.123)
+
+
+def test_lambda_vectors_keep_the_spec_names_on_disk(tmp_path):
+    # In memory λ lives in `self_attn.differential_lambda` (for PEFT); on disk it keeps the built-in model's names.
+    tiny_model().save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    lambda_keys = sorted(k for k in saved if "lambda" in k)
+    assert lambda_keys[:4] == [f"model.layers.0.self_attn.lambda_{n}" for n in ("k1", "k2", "q1", "q2")]
+    assert not any("differential_lambda" in k for k in saved)
 
 
 def _batches(tokenizer, length=32):

@@ -1,12 +1,13 @@
 """Moving checkpoints between diff-llama and transformers' built-in `diffllama` model (even G only).
 
-Both use the same parameter names and shapes, so no tensor is changed: only the config differs.
+Both checkpoints use the same parameter names and shapes, so no tensor is changed: only the config differs.
 """
 
 import os
 
 import torch
 import transformers
+from transformers.core_model_loading import revert_weight_conversion
 
 from .configuration_diff_llama import DiffLlamaConfig
 from .modeling_diff_llama import DiffLlamaForCausalLM
@@ -42,6 +43,7 @@ def export_to_builtin(model: DiffLlamaForCausalLM, output_dir: str | os.PathLike
     builtin_config = to_builtin_config(model.config)
     with torch.device("meta"):
         builtin = transformers.DiffLlamaForCausalLM(builtin_config)
-    builtin.load_state_dict(model.state_dict(), strict=True, assign=True)
+    # The checkpoint names (λ vectors as `self_attn.lambda_q1`, ...) are the built-in model's module names.
+    builtin.load_state_dict(revert_weight_conversion(model, model.state_dict()), strict=True, assign=True)
     builtin.generation_config = model.generation_config
     builtin.save_pretrained(output_dir)

@@ -1,7 +1,7 @@
 """DiffLlama: LLaMA with differential attention (Ye et al., arXiv 2410.05258), version 1.
 
 The maths and tensor layout follow SPEC.md: query heads i and i + H/2 form differential head i,
-both maps read the value pair V_i = concat(v_kv(i), v_kv(i + H/2)), and parameter names match
+both maps read the value pair V_i = concat(v_kv(i), v_kv(i + H/2)), and checkpoint names match
 transformers' built-in `diffllama`, so its checkpoints load unchanged.
 
 Imports only torch, transformers and the sibling configuration file, so that a saved model also
@@ -17,6 +17,8 @@ from torch import nn
 
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import WeightRenaming
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import (
@@ -73,6 +75,38 @@ class DiffLlamaRotaryEmbedding(LlamaRotaryEmbedding):
 def lambda_init_fn(layer_idx: int) -> float:
     """The paper's depth-dependent λ_init(l) = 0.8 - 0.6 * exp(-0.3 * l), l counted from 0."""
     return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+
+
+LAMBDA_VECTOR_NAMES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+# In memory the λ vectors live in a small module (`self_attn.differential_lambda`), so that PEFT can train and save
+# them with `modules_to_save`; on disk they keep the built-in model's names (`self_attn.lambda_q1`, ...). transformers
+# applies this renaming when loading and reverts it when saving.
+LAMBDA_CHECKPOINT_RENAMES = {
+    rf"\.self_attn\.{name}": f".self_attn.differential_lambda.{name}" for name in LAMBDA_VECTOR_NAMES
+}
+register_checkpoint_conversion_mapping(
+    "diff_llama", [WeightRenaming(disk, memory) for disk, memory in LAMBDA_CHECKPOINT_RENAMES.items()], overwrite=True
+)
+
+
+class DiffLlamaLambda(nn.Module):
+    """λ of one layer: exp(λ_q1·λ_k1) - exp(λ_q2·λ_k2) + λ_init, from four learned vectors of length head_dim."""
+
+    def __init__(self, head_dim: int, layer_idx: int):
+        super().__init__()
+        self.lambda_init = lambda_init_fn(layer_idx)
+        self.lambda_q1 = nn.Parameter(torch.zeros(head_dim))
+        self.lambda_k1 = nn.Parameter(torch.zeros(head_dim))
+        self.lambda_q2 = nn.Parameter(torch.zeros(head_dim))
+        self.lambda_k2 = nn.Parameter(torch.zeros(head_dim))
+
+    def forward(self) -> torch.Tensor:
+        """λ as a scalar tensor in float32 (or float64 for a float64 model): never in half precision, where exp() of
+        a dot product loses the small λ updates."""
+        dtype = torch.promote_types(self.lambda_q1.dtype, torch.float32)
+        dot1 = torch.sum(self.lambda_q1.to(dtype) * self.lambda_k1.to(dtype))
+        dot2 = torch.sum(self.lambda_q2.to(dtype) * self.lambda_k2.to(dtype))
+        return torch.exp(dot1) - torch.exp(dot2) + self.lambda_init
 
 
 def eager_attention_forward(
@@ -134,21 +168,9 @@ class DiffLlamaAttention(nn.Module):
         )
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
 
-        self.lambda_init = lambda_init_fn(layer_idx)
-        self.lambda_q1 = nn.Parameter(torch.zeros(self.head_dim))
-        self.lambda_k1 = nn.Parameter(torch.zeros(self.head_dim))
-        self.lambda_q2 = nn.Parameter(torch.zeros(self.head_dim))
-        self.lambda_k2 = nn.Parameter(torch.zeros(self.head_dim))
+        self.differential_lambda = DiffLlamaLambda(self.head_dim, layer_idx)
         # The paper's per-head normalisation over the 2d-wide output; it has no affine weight.
         self.head_norm = nn.RMSNorm(2 * self.head_dim, eps=config.rms_norm_eps, elementwise_affine=False)
-
-    def lambda_full(self) -> torch.Tensor:
-        """λ = exp(λ_q1·λ_k1) - exp(λ_q2·λ_k2) + λ_init, as a scalar tensor in float32 (or float64 for a float64
-        model): never in half precision, where exp() of a dot product loses the small λ updates."""
-        dtype = torch.promote_types(self.lambda_q1.dtype, torch.float32)
-        dot1 = torch.sum(self.lambda_q1.to(dtype) * self.lambda_k1.to(dtype))
-        dot2 = torch.sum(self.lambda_q2.to(dtype) * self.lambda_k2.to(dtype))
-        return torch.exp(dot1) - torch.exp(dot2) + self.lambda_init
 
     def forward(
         self,
@@ -204,9 +226,9 @@ class DiffLlamaAttention(nn.Module):
         map1_output, map2_output = attn_output.chunk(2, dim=2)
 
         # The subtraction cancels most of the signal, so it runs in float32 (or wider) whatever the model dtype.
-        lambda_full = self.lambda_full()
+        lambda_full = self.differential_lambda()
         differential = map1_output.to(lambda_full.dtype) - lambda_full * map2_output.to(lambda_full.dtype)
-        attn_output = (1 - self.lambda_init) * self.head_norm(differential)
+        attn_output = (1 - self.differential_lambda.lambda_init) * self.head_norm(differential)
         attn_output = attn_output.to(hidden_states.dtype).reshape(*input_shape, -1)
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
@@ -270,13 +292,13 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, DiffLlamaAttention):
-            for vector in (module.lambda_q1, module.lambda_k1, module.lambda_q2, module.lambda_k2):
-                init.normal_(vector, 0.0, self.config.lambda_std_dev)
+        if isinstance(module, DiffLlamaLambda):
+            for name in LAMBDA_VECTOR_NAMES:
+                init.normal_(getattr(module, name), 0.0, self.config.lambda_std_dev)
 
     def get_lambdas(self) -> torch.Tensor:
         """The current λ of every layer, float32, shape (num_hidden_layers,)."""
-        return torch.stack([layer.self_attn.lambda_full() for layer in self.base_model.layers])
+        return torch.stack([layer.self_attn.differential_lambda() for layer in self.base_model.layers])
 
 
 class DiffLlamaModel(DiffLlamaPreTrainedModel):

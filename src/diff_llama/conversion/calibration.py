@@ -62,7 +62,9 @@ class LayerwiseRunner:
         source = LlamaDecoderLayer(self.source_config, layer_idx)
         source.load_state_dict({k: v.float() for k, v in source_tensors.items()})
         converted = DiffLlamaDecoderLayer(self.diff_config, layer_idx)
-        converted.load_state_dict({k: v.float() for k, v in converted_tensors.items()})
+        # Checkpoint names -> module names: the λ vectors live in `self_attn.differential_lambda` in memory.
+        rename = lambda key: key.replace("self_attn.lambda_", "self_attn.differential_lambda.lambda_")  # noqa: E731
+        converted.load_state_dict({rename(k): v.float() for k, v in converted_tensors.items()})
         return source.eval(), converted.eval()
 
     @torch.no_grad()
@@ -96,7 +98,7 @@ class LayerwiseRunner:
             z, _ = head_outputs()
             eps = attention.head_norm.eps
             head_rms = z.pow(2).mean(-1).add(eps).sqrt().mean((0, 1))  # per differential head
-            scale = head_rms / ((1 - attention.lambda_init) * value_scale)
+            scale = head_rms / ((1 - attention.differential_lambda.lambda_init) * value_scale)
             weight = attention.o_proj.weight
             weight.copy_((weight.view(weight.shape[0], -1, weight.shape[1] // len(scale)) * scale[None, :, None]).view_as(weight))
             diagnostics = {"value_scale": value_scale, "mean_head_rms": head_rms.mean().item()}
