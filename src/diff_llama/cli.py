@@ -88,6 +88,81 @@ def build_parser() -> argparse.ArgumentParser:
     attention.add_argument("--source", help="the source LLaMA folder, to draw its head next to them")
     attention.add_argument("--output", default="attention-maps", help="folder for the PNGs (default: %(default)s)")
 
+    train = commands.add_parser(
+        "train",
+        help="fine-tune a model on your text with transformers' Trainer, fully or with LoRA",
+        description="Fine-tune MODEL on the text in --data (a .txt/.md/.rst/.jsonl file or a folder of them) with the "
+        "real transformers Trainer: cosine schedule, progress bar, a checkpoint every --save-steps (resume with "
+        "--resume), and λ at its own learning rate. With --lora, LoRA adapters go on q/k/v/o (and the MLP with "
+        "--lora-mlp) while the λ vectors train in full and are saved in the adapter. OUTPUT gets the final model "
+        "(or adapter), the tokenizer, training_log.json and PNG plots of the loss and of λ per layer.",
+    )
+    train.add_argument("model", help="model folder or Hub id")
+    train.add_argument("--data", required=True, metavar="FILE|FOLDER", help="training text")
+    train.add_argument("--output", required=True, help="folder for checkpoints and the final model")
+    train.add_argument("--lora", action="store_true", help="train LoRA adapters (+ λ) instead of every weight")
+    train.add_argument("--lora-mlp", action="store_true", help="with --lora, also adapt the MLP projections")
+    train.add_argument("--lora-rank", type=int, default=16, help="default: %(default)s")
+    train.add_argument("--merge", action="store_true", help="with --lora, save the merged model instead of the adapter")
+    train.add_argument("--epochs", type=float, default=1.0, help="default: %(default)s")
+    train.add_argument("--max-steps", type=int, default=-1, help="stop after this many steps (overrides --epochs)")
+    train.add_argument("--learning-rate", type=float, help="default: 5e-5, or 2e-4 with --lora")
+    train.add_argument("--lambda-learning-rate", type=float, default=1e-2, help="for the λ vectors (default: %(default)s)")
+    train.add_argument("--batch-size", type=int, default=4, help="default: %(default)s")
+    train.add_argument("--gradient-accumulation", type=int, default=1, help="default: %(default)s")
+    train.add_argument("--block-size", type=int, default=256, help="tokens per example (default: %(default)s)")
+    train.add_argument("--save-steps", type=int, default=100, help="checkpoint interval (default: %(default)s)")
+    train.add_argument("--logging-steps", type=int, default=10, help="log loss and λ every N steps (default: %(default)s)")
+    train.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUTPUT")
+    train.add_argument("--no-monitor", dest="monitor", action="store_false",
+                       help="do not log λ and differential-map statistics")
+
+    recover = commands.add_parser(
+        "recover",
+        help="after convert: distil the source LLaMA into the converted model (KL on next-token distributions)",
+        description="Train a converted DiffLlama to match the LLaMA it came from: the loss is KL(source || model) "
+        "on the next-token distributions, on your text (--data), on text the source samples itself (--generate), "
+        "or on built-in English text. A penalty keeps every layer's λ at or above --lambda-floor, so the result "
+        "really subtracts a second map. Stops after --minutes of training and reports held-out perplexity against "
+        "training time (recovery_report.json, recovery_curve.png, and the model card).",
+    )
+    recover.add_argument("model", help="folder written by diff-llama convert")
+    recover.add_argument("--output", required=True, help="folder for the recovered model")
+    recover.add_argument("--source", help="the source LLaMA (folder, .gguf, Hub id or 'smollm2'; default: the one "
+                         "recorded in MODEL/conversion_report.json)")
+    text = recover.add_mutually_exclusive_group()
+    text.add_argument("--data", metavar="FILE|FOLDER", help="training text")
+    text.add_argument("--generate", type=int, metavar="TOKENS", default=0,
+                      help="train on this many tokens sampled from the source itself")
+    recover.add_argument("--lora", action="store_true", help="LoRA on q/k/v/o + λ (merged at the end)")
+    recover.add_argument("--minutes", type=float, default=30.0, help="training-time budget (default: %(default)s)")
+    recover.add_argument("--max-steps", type=int, default=-1, help="step budget instead of --minutes")
+    recover.add_argument("--learning-rate", type=float, help="default: 1e-5, or 1e-4 with --lora")
+    recover.add_argument("--lambda-learning-rate", type=float, default=5e-4, help="default: %(default)s")
+    recover.add_argument("--lambda-floor", type=float, default=0.12,
+                         help="penalise any layer's λ below this (0 disables; default: %(default)s)")
+    recover.add_argument("--batch-size", type=int, default=4, help="default: %(default)s")
+    recover.add_argument("--block-size", type=int, default=256, help="default: %(default)s")
+    recover.add_argument("--eval-minutes", type=float, default=2.5,
+                         help="measure held-out perplexity every this many training minutes (default: %(default)s)")
+    recover.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
+
+    push = commands.add_parser(
+        "push",
+        help="upload a model folder (weights, remote code, tokenizer, model card) to the Hugging Face Hub",
+        description="Create REPO_ID if needed and upload MODEL in one commit: safetensors weights, config with "
+        "auto_map, the modeling code (so it loads with trust_remote_code=True), tokenizer files, reports and a "
+        "model card built for REPO_ID (metadata: library_name, base_model, tags, measured perplexity). Training "
+        "checkpoints are left out. --dry-run lists the files without uploading. Log in first (hf auth login) or "
+        "pass --token.",
+    )
+    push.add_argument("model", help="model folder")
+    push.add_argument("repo_id", help="e.g. your-name/SmolLM2-135M-diff")
+    push.add_argument("--private", action="store_true", help="create the repository as private")
+    push.add_argument("--token", help="Hub token (default: the logged-in one)")
+    push.add_argument("--keep-card", action="store_true", help="upload MODEL/README.md as it is")
+    push.add_argument("--dry-run", action="store_true", help="list what would be uploaded and stop")
+
     export = commands.add_parser(
         "export-builtin",
         help="save a DiffLlama checkpoint for transformers' built-in DiffLlamaForCausalLM (even KV heads only)",
@@ -109,6 +184,12 @@ def main(argv=None) -> int:
         return _generate(args)
     elif args.command == "attention-map":
         return _attention_map(args)
+    elif args.command == "train":
+        return _train(args)
+    elif args.command == "recover":
+        return _recover(args)
+    elif args.command == "push":
+        return _push(args)
     elif args.command == "export-builtin":
         from pathlib import Path
 
@@ -160,6 +241,60 @@ def _convert(args) -> int:
     print(report.summary())
     if args.prompt:
         print(f"\nPrompt: {args.prompt}\nAnswer: {answer_prompt(args.output, args.prompt)}")
+    return 0
+
+
+def _train(args) -> int:
+    from .training import train
+
+    try:
+        output = train(
+            args.model, args.data, args.output, lora=args.lora, include_mlp=args.lora_mlp, merge=args.merge,
+            lora_rank=args.lora_rank, max_steps=args.max_steps, epochs=args.epochs, learning_rate=args.learning_rate,
+            lambda_learning_rate=args.lambda_learning_rate, batch_size=args.batch_size,
+            gradient_accumulation=args.gradient_accumulation, block_size=args.block_size, save_steps=args.save_steps,
+            logging_steps=args.logging_steps, resume=args.resume, monitor=args.monitor,
+        )
+    except (FileNotFoundError, FileExistsError, ValueError) as error:
+        print(f"diff-llama train: error: {error}", file=sys.stderr)
+        return 2
+    print(f"Saved the {'adapter' if args.lora and not args.merge else 'model'} to {output}")
+    return 0
+
+
+def _recover(args) -> int:
+    from .recovery import recover
+
+    try:
+        report = recover(
+            args.model, args.output, source=args.source, data=args.data, generated_tokens=args.generate,
+            lora=args.lora, max_minutes=args.minutes if args.max_steps < 0 else None, max_steps=args.max_steps,
+            learning_rate=args.learning_rate, lambda_learning_rate=args.lambda_learning_rate,
+            lambda_floor=args.lambda_floor, batch_size=args.batch_size, block_size=args.block_size,
+            eval_minutes=args.eval_minutes, resume=args.resume,
+        )
+    except (FileNotFoundError, ValueError) as error:
+        print(f"diff-llama recover: error: {error}", file=sys.stderr)
+        return 2
+    print(f"Held-out perplexity: source {report['source_perplexity']:.2f}, recovered {report['final_perplexity']:.2f} "
+          f"({report['ratio']:.3f}x) after {report['steps']} steps; mean |λ| {report['final_mean_abs_lambda']:.3f}. "
+          f"Saved to {args.output}")
+    return 0
+
+
+def _push(args) -> int:
+    from .publishing import check_publishable, files_to_upload, push
+
+    try:
+        check_publishable(args.model)
+        if args.dry_run:
+            print("\n".join(files_to_upload(args.model)))
+            return 0
+        url = push(args.model, args.repo_id, private=args.private, token=args.token, keep_card=args.keep_card)
+    except ValueError as error:
+        print(f"diff-llama push: error: {error}", file=sys.stderr)
+        return 2
+    print(f"Uploaded: {url}")
     return 0
 
 

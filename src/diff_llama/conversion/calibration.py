@@ -27,7 +27,9 @@ class CalibrationSettings:
 def _sequences(ids: torch.Tensor, seq_len: int, max_tokens: int, plus_one: bool) -> torch.Tensor:
     count = min(max_tokens, len(ids) - int(plus_one)) // seq_len
     if count < 1:
-        raise ValueError(f"need at least {seq_len + int(plus_one)} tokens of text, got {len(ids)}")
+        usable = min(max_tokens, len(ids))
+        raise ValueError(f"need at least {seq_len + int(plus_one)} tokens of text (one sequence), got {usable}: "
+                         "raise the token count or give a longer text")
     width = seq_len + int(plus_one)
     return torch.stack([ids[i * seq_len : i * seq_len + width] for i in range(count)])
 

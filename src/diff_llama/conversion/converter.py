@@ -16,7 +16,7 @@ from ..corpus import CALIBRATION_MODULES, HELD_OUT_MODULES, stdlib_docstrings
 from ..modeling_diff_llama import lambda_init_fn
 from .calibration import CalibrationSettings, LayerwiseRunner
 from .errors import ConversionError
-from .model_card import write_conversion_card
+from ..model_card import write_model_card
 from .head_layout import (
     HeadLayout,
     convert_attention_weights,
@@ -330,7 +330,7 @@ def convert_llama_to_diff_llama(
             layers=layer_diagnostics,
         )
         (folder / "conversion_report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
-        write_conversion_card(folder, report, diff_config)
+        write_model_card(folder, location=report.output)
     return report
 
 

