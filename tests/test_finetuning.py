@@ -136,20 +136,24 @@ def test_lambda_floor_penalty_is_zero_only_above_the_floor():
     torch.testing.assert_close(lambda_floor_penalty(model, 0.9), expected)
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_recover_command_distils_from_the_source(tmp_path, tokenizer, lora):
+@pytest.mark.parametrize("lora,budget", [(False, ["--max-steps", "3"]), (True, ["--minutes", "0.03"])])
+def test_recover_command_distils_from_the_source(tmp_path, tokenizer, lora, budget):
     from test_converter import FAST, make_llama
 
     source = make_llama(tmp_path / "llama", tokenizer)
     converted = tmp_path / "diff"
     assert main(["convert", str(source), str(converted), "--calibration-tokens", "1024", "--eval-tokens", "1024"]) == 0
     out = tmp_path / "recovered"
-    args = ["recover", str(converted), "--output", str(out), "--max-steps", "3", "--block-size", "32",
-            "--batch-size", "2", "--lambda-floor", "0.3"] + (["--lora"] if lora else [])
+    args = ["recover", str(converted), "--output", str(out), *budget, "--block-size", "32",
+            "--batch-size", "2", "--lambda-floor", "0.3", "--lambda-learning-rate", "1e-2"] + (["--lora"] if lora else [])
     assert main(args) == 0
     report = json.loads((out / "recovery_report.json").read_text())
     assert report["source"] == str(source.absolute()) or report["source"] == str(source)
-    assert report["steps"] == 3 and report["curve"][0]["step"] == 0 and report["curve"][-1]["step"] == 3
+    assert report["curve"][0]["step"] == 0 and report["curve"][-1]["step"] == report["steps"] >= 1
+    if budget[0] == "--max-steps":
+        assert report["steps"] == 3
+    else:  # stopped by the time budget, measured in training time
+        assert report["curve"][-1]["train_minutes"] >= 0.03
     assert report["curve"][0]["mean_abs_lambda"] < 1e-5 < report["final_mean_abs_lambda"]  # λ left 0
     assert (out / "recovery_curve.png").read_bytes()[:4] == b"\x89PNG"
     recovered = AutoModelForCausalLM.from_pretrained(out)
@@ -210,3 +214,20 @@ def test_ddp_training_on_cpu_with_gloo(tmp_path, tokenizer):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count(" ok ") == 2
+
+
+def test_trl_sft_trainer_with_lora_trains_lambda(tmp_path, tokenizer):
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    model = tiny_model(vocab_size=len(tokenizer))
+    lambdas_before = model.get_lambdas().detach().clone()
+    lines = [line for line in SAMPLE_TEXT.split(". ") if line.strip()]
+    config = trl.SFTConfig(str(tmp_path / "sft"), max_steps=3, per_device_train_batch_size=2, max_length=32,
+                           report_to="none", save_strategy="no", learning_rate=1e-2, logging_steps=1,
+                           bf16=False)  # SFTConfig defaults to bf16 and refuses it without a GPU
+    trainer = trl.SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"text": lines}),
+                             processing_class=tokenizer, peft_config=lora_config())
+    trainer.train()
+    assert trainer.state.global_step == 3
+    assert not torch.allclose(trainer.model.get_lambdas(), lambdas_before)

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from conftest import tiny_model
 from diff_llama import differential_attention_maps
@@ -117,3 +118,24 @@ def test_lambda_follows_equation_and_layer_depth():
             - 0.6 * math.exp(-0.3 * layer)
         )
         assert attn.differential_lambda().item() == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("heads,kv_heads", LAYOUTS)
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_decoding_steps_match_reference_with_left_padding(heads, kv_heads, attn):
+    """Token-by-token decoding with a cache (SDPA runs its own one-token kernel, eager the generic path)."""
+    model = tiny_model(torch.float64, num_attention_heads=heads, num_key_value_heads=kv_heads)
+    randomise_lambdas(model)
+    model.set_attn_implementation(attn)
+    input_ids, attention_mask = random_batch()
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    cache, prefix = DynamicCache(config=model.config), 5
+    with torch.no_grad():
+        logits = [model(input_ids[:, :prefix], attention_mask=attention_mask[:, :prefix],
+                        position_ids=positions[:, :prefix], past_key_values=cache, use_cache=True).logits]
+        for t in range(prefix, input_ids.shape[1]):
+            logits.append(model(input_ids[:, t : t + 1], attention_mask=attention_mask[:, : t + 1],
+                                position_ids=positions[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+    expected = reference_forward(model.config, checkpoint_state_dict(model), input_ids, attention_mask)
+    real = attention_mask.bool()
+    torch.testing.assert_close(torch.cat(logits, dim=1)[real], expected[real], rtol=0, atol=1e-12)

@@ -136,6 +136,47 @@ def eager_attention_forward(
     return attn_output, attn_weights
 
 
+def differential_decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    lambda_full: torch.Tensor,
+) -> torch.Tensor:
+    """(A1 − λ·A2)·V_i for ONE query token, for every differential head i: (batch, 1, H/2, 2d) in λ's dtype.
+
+    Decoding reads the whole cache for one token, so the cost is memory traffic and the number of ops. This reads
+    the keys once and the values once, copies nothing the size of the cache, and runs five ops where the generic
+    path runs two backend calls on two copies of the values. `key`/`value` hold an even number G of heads, half
+    of the query heads on each half of them (what `DiffLlamaAttention` passes). Masks are those of the SDPA
+    interface: None, boolean (True = attend) or additive.
+    """
+    batch, num_heads, _, head_dim = query.shape
+    kv_heads = key.shape[1]
+    group = num_heads // kv_heads
+    # Query heads of one key/value head as rows: (batch, G, group, kv_len).
+    scores = torch.matmul(query.reshape(batch, kv_heads, group, head_dim), key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + attention_mask
+    maps = nn.functional.softmax(scores, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32))
+    maps = maps.to(value.dtype)
+    # Every map is applied to its own half's values and to the other half's: stack each map with the map of the
+    # same position in the other half, and one matmul gives both products for every value head.
+    halves = maps.view(batch, 2, kv_heads // 2, group, -1)
+    both = torch.cat([halves, halves.flip(1)], dim=3).view(batch, kv_heads, 2 * group, -1)
+    products = torch.matmul(both, value).view(batch, 2, kv_heads // 2, 2, group, head_dim).to(lambda_full.dtype)
+    # products[:, a, :, 0] = A(half a)·V(half a);  products[:, a, :, 1] = A(other half)·V(half a).
+    # Differential head i: map 1 is in half 0, map 2 in half 1, and its value pair is [V(half 0), V(half 1)].
+    own, crossed = products.unbind(3)
+    first = own[:, 0] - lambda_full * crossed[:, 0]  # (A1 − λA2)·V(half 0)
+    second = crossed[:, 1] - lambda_full * own[:, 1]  # (A1 − λA2)·V(half 1)
+    return torch.cat([first, second], dim=-1).reshape(batch, 1, num_heads // 2, 2 * head_dim)
+
+
 class DiffLlamaAttention(nn.Module):
     """Differential attention: out_i = (1 - λ_init) * RMSNorm((A1 - λ A2) V_i) for differential head i.
 
@@ -195,6 +236,27 @@ class DiffLlamaAttention(nn.Module):
 
         key_states = repeat_kv(key_states, self.kv_expansion)
         value_states = repeat_kv(value_states, self.kv_expansion)
+        # The subtraction cancels most of the signal, so it runs in float32 (or wider) whatever the model dtype.
+        lambda_full = self.differential_lambda()
+        if query_states.shape[2] == 1 and self.config._attn_implementation == "sdpa":
+            differential = differential_decode_attention(
+                query_states, key_states, value_states, attention_mask, self.scaling, lambda_full
+            )
+            attn_weights = None
+        else:
+            attn_output, attn_weights = self._maps_times_value_pairs(
+                query_states, key_states, value_states, attention_mask, **kwargs
+            )
+            map1_output, map2_output = attn_output.chunk(2, dim=2)
+            differential = map1_output.to(lambda_full.dtype) - lambda_full * map2_output.to(lambda_full.dtype)
+        attn_output = (1 - self.differential_lambda.lambda_init) * self.head_norm(differential)
+        attn_output = attn_output.to(hidden_states.dtype).reshape(*input_shape, -1)
+        attn_output = self.o_proj(attn_output)
+        return attn_output, attn_weights
+
+    def _maps_times_value_pairs(self, query_states, key_states, value_states, attention_mask, **kwargs):
+        """Every softmax map applied to the 2d-wide value pair of its differential head, through the configured
+        attention backend: (batch, seq, H, 2d), and the maps when the backend returns them."""
         # Query head h (either map of differential head i = h mod H/2) must read v_kv(i) and v_kv(i + H/2), side by
         # side: the first and second half of the key/value heads, each repeated for both halves of the queries.
         first_values, second_values = value_states.chunk(2, dim=1)
@@ -202,36 +264,24 @@ class DiffLlamaAttention(nn.Module):
             self.config._attn_implementation, eager_attention_forward
         )
         call = partial(attention_interface, self, attention_mask=attention_mask, dropout=0.0, scaling=self.scaling)
-
         if query_states.shape[2] > 1:
             # Prefill: one backend call forms every softmax map once and applies it to the 2d-wide value pair. Fused
             # kernels want equal query/key/value widths, so queries and keys get d zero channels: the scores, hence
             # the maps, are unchanged (the scaling stays 1/sqrt(d)). On CPU at 2048 tokens this is 1.7x one Llama
             # attention call, where two d-wide calls cost 2x and a 2d-wide value alone falls off the fused kernel (7x).
             value_pairs = torch.cat([first_values, second_values], dim=-1)
-            attn_output, attn_weights = call(
+            return call(
                 query=nn.functional.pad(query_states, (0, self.head_dim)),
                 key=nn.functional.pad(key_states, (0, self.head_dim)),
                 value=torch.cat([value_pairs, value_pairs], dim=1),
                 **kwargs,
             )
-        else:
-            # Decoding one token: padding the whole cached keys every step costs more than forming the scores twice.
-            first_values = torch.cat([first_values, first_values], dim=1)
-            second_values = torch.cat([second_values, second_values], dim=1)
-            first_output, attn_weights = call(query=query_states, key=key_states, value=first_values, **kwargs)
-            second_output, _ = call(query=query_states, key=key_states, value=second_values, **kwargs)
-            attn_output = torch.cat([first_output, second_output], dim=-1)
-        # (batch, seq, H, 2d): every softmax map applied to the value pair of its differential head.
-        map1_output, map2_output = attn_output.chunk(2, dim=2)
-
-        # The subtraction cancels most of the signal, so it runs in float32 (or wider) whatever the model dtype.
-        lambda_full = self.differential_lambda()
-        differential = map1_output.to(lambda_full.dtype) - lambda_full * map2_output.to(lambda_full.dtype)
-        attn_output = (1 - self.differential_lambda.lambda_init) * self.head_norm(differential)
-        attn_output = attn_output.to(hidden_states.dtype).reshape(*input_shape, -1)
-        attn_output = self.o_proj(attn_output)
-        return attn_output, attn_weights
+        # Decoding one token: padding the whole cached keys every step costs more than forming the scores twice.
+        first_values = torch.cat([first_values, first_values], dim=1)
+        second_values = torch.cat([second_values, second_values], dim=1)
+        first_output, attn_weights = call(query=query_states, key=key_states, value=first_values, **kwargs)
+        second_output, _ = call(query=query_states, key=key_states, value=second_values, **kwargs)
+        return torch.cat([first_output, second_output], dim=-1), attn_weights
 
 
 class DiffLlamaDecoderLayer(GradientCheckpointingLayer):

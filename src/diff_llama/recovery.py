@@ -96,7 +96,7 @@ class RecoveryMonitor(TrainerCallback):
 
         if self.max_seconds:  # a time budget: the bar counts training minutes, not steps
             self.bar = tqdm(total=round(self.max_seconds / 60, 1), desc="recovery", unit="min",
-                            bar_format="{l_bar}{bar}| {n:.1f}/{total} min [{postfix}]")
+                            bar_format="{l_bar}{bar}| {n:.1f}/{total} min{postfix}")
         if not self.curve:
             self.measure(model, state.global_step)
         self._since = time.perf_counter()
