@@ -3,6 +3,7 @@
 Same config (hidden 512, 8 heads, 4 layers, vocab 32000 unless told), dtype, threads and inputs for all three;
 the Llama has the same shapes, so the same parameter count but for the 4 λ vectors per layer. Every figure is the
 median of interleaved repetitions (model A, B, C, A, B, C, ...):
+- one attention layer alone at 2048 tokens (projections, RoPE, attention, output projection; causal, no mask);
 - prefill time at 512 and 2048 tokens (batch 1, logits of the last token);
 - decode tokens/s with the dynamic cache at batch 1 and 8, and with the static cache with and without torch.compile
   (batch 1; on CPU generate compiles only when forced);
@@ -51,6 +52,17 @@ def build(name: str, dtype: torch.dtype):
 def prefill_seconds(model, ids):
     started = time.perf_counter()
     model(ids, logits_to_keep=1)
+    return time.perf_counter() - started
+
+
+@torch.no_grad()
+def attention_layer_seconds(model, hidden_states):
+    """One attention layer alone (projections, RoPE, attention, output projection), causal, no padding mask."""
+    position_ids = torch.arange(hidden_states.shape[1])[None]
+    position_embeddings = model.model.rotary_emb(hidden_states, position_ids)
+    started = time.perf_counter()
+    model.model.layers[0].self_attn(hidden_states=hidden_states, position_embeddings=position_embeddings,
+                                    attention_mask=None)
     return time.perf_counter() - started
 
 
@@ -124,7 +136,9 @@ def main():
 
     compile_config = CompileConfig(fullgraph=True)
     compile_config._compile_all_devices = True  # generate compiles a static cache on CPU only when forced
+    hidden_states = torch.randn(1, 2048, SHAPE["hidden_size"], generator=generator).to(dtype)
     figures = {
+        "attention layer 2048 (ms)": lambda m: 1000 * attention_layer_seconds(m, hidden_states),
         "prefill 512 (ms)": lambda m: 1000 * prefill_seconds(m, long_ids[:1, :512]),
         "prefill 2048 (ms)": lambda m: 1000 * prefill_seconds(m, long_ids[:1]),
         "decode b1 dynamic (tok/s)": lambda m: decode_tokens_per_second(m, long_ids[:1, :128], 32),

@@ -1,11 +1,14 @@
 """Training, gradients, embeddings, dtype and device-map loading: the LlamaForCausalLM feature set."""
 
+from unittest import mock
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import SAMPLE_TEXT, tiny_config, tiny_model
 from diff_llama import DiffLlamaForCausalLM
+from diff_llama.modeling_diff_llama import CausalPairedAttentionCPU
 
 
 def test_fresh_model_initialisation():
@@ -127,3 +130,27 @@ def test_device_map_auto_with_disk_offload(tmp_path):
     assert "disk" in set(loaded.hf_device_map.values())  # some layers really were offloaded
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids).logits, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(6, 3), (8, 2), (4, 1), (8, 8)])
+def test_sdpa_training_path_gives_the_generic_gradients(heads, kv_heads):
+    """CPU training with SDPA and no padding mask runs CausalPairedAttentionCPU (lighter backward): same loss and
+    gradients as the eager path, in float64."""
+    torch.manual_seed(0)
+    input_ids = torch.randint(3, 128, (2, 16))
+    grads = {}
+    for attn in ("sdpa", "eager"):
+        model = tiny_model(torch.float64, num_attention_heads=heads, num_key_value_heads=kv_heads).train()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lambda_" in name:
+                    param.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+        model.set_attn_implementation(attn)
+        with mock.patch.object(CausalPairedAttentionCPU, "apply", wraps=CausalPairedAttentionCPU.apply) as spy:
+            loss = model(input_ids, labels=input_ids).loss
+        assert spy.call_count == (model.config.num_hidden_layers if attn == "sdpa" else 0)
+        loss.backward()
+        grads[attn] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(grads["sdpa"][0], grads["eager"][0], rtol=0, atol=1e-12)
+    for name, grad in grads["eager"][1].items():
+        torch.testing.assert_close(grads["sdpa"][1][name], grad, rtol=1e-9, atol=1e-11, msg=name)

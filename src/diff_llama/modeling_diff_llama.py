@@ -177,6 +177,45 @@ def differential_decode_attention(
     return torch.cat([first, second], dim=-1).reshape(batch, 1, num_heads // 2, 2 * head_dim)
 
 
+def _pad_to_pairs(query, key, value):
+    """The one-call layout of the prefill path: queries and keys with d zero channels; for every key/value head, the
+    value pair [v(first half), v(second half)] of the differential heads it serves."""
+    head_dim = query.shape[-1]
+    value_pairs = torch.cat(value.chunk(2, dim=1), dim=-1)
+    return (
+        nn.functional.pad(query, (0, head_dim)),
+        nn.functional.pad(key, (0, head_dim)),
+        torch.cat([value_pairs, value_pairs], dim=1),
+    )
+
+
+class CausalPairedAttentionCPU(torch.autograd.Function):
+    """Training on CPU, causal, no padding mask: the fused SDPA kernel on the padded layout of `_pad_to_pairs`, but
+    saving for backward only the d-wide query, key and value (and the output), not their padded copies. The padded
+    layout is rebuilt in backward, which costs three concatenations. Output: (batch, H, seq, 2d)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, scaling):
+        output, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            *_pad_to_pairs(query, key, value), 0.0, True, scale=scaling
+        )
+        ctx.save_for_backward(query, key, value, output, logsumexp)
+        ctx.scaling = scaling
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, key, value, output, logsumexp = ctx.saved_tensors
+        head_dim = query.shape[-1]
+        grad_query, grad_key, grad_value = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_output.contiguous(), *_pad_to_pairs(query, key, value), output, logsumexp, 0.0, True,
+            scale=ctx.scaling,
+        )
+        grad_pairs = sum(grad_value.chunk(2, dim=1))  # both halves of the heads read the same value pairs
+        grad_value = torch.cat(grad_pairs.split(head_dim, dim=-1), dim=1)
+        return grad_query[..., :head_dim], grad_key[..., :head_dim], grad_value, None
+
+
 class DiffLlamaAttention(nn.Module):
     """Differential attention: out_i = (1 - λ_init) * RMSNorm((A1 - λ A2) V_i) for differential head i.
 
@@ -259,24 +298,30 @@ class DiffLlamaAttention(nn.Module):
         attention backend: (batch, seq, H, 2d), and the maps when the backend returns them."""
         # Query head h (either map of differential head i = h mod H/2) must read v_kv(i) and v_kv(i + H/2), side by
         # side: the first and second half of the key/value heads, each repeated for both halves of the queries.
-        first_values, second_values = value_states.chunk(2, dim=1)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
         call = partial(attention_interface, self, attention_mask=attention_mask, dropout=0.0, scaling=self.scaling)
         if query_states.shape[2] > 1:
+            if (
+                self.config._attn_implementation == "sdpa"
+                and attention_mask is None
+                and key_states.shape[2] == query_states.shape[2]
+                and query_states.device.type == "cpu"
+                and torch.is_grad_enabled()
+                and not torch.compiler.is_compiling()
+            ):
+                # Same kernel and layout as below; backward keeps the d-wide tensors instead of the padded ones.
+                output = CausalPairedAttentionCPU.apply(query_states, key_states, value_states, self.scaling)
+                return output.transpose(1, 2), None
             # Prefill: one backend call forms every softmax map once and applies it to the 2d-wide value pair. Fused
             # kernels want equal query/key/value widths, so queries and keys get d zero channels: the scores, hence
             # the maps, are unchanged (the scaling stays 1/sqrt(d)). On CPU at 2048 tokens this is 1.7x one Llama
             # attention call, where two d-wide calls cost 2x and a 2d-wide value alone falls off the fused kernel (7x).
-            value_pairs = torch.cat([first_values, second_values], dim=-1)
-            return call(
-                query=nn.functional.pad(query_states, (0, self.head_dim)),
-                key=nn.functional.pad(key_states, (0, self.head_dim)),
-                value=torch.cat([value_pairs, value_pairs], dim=1),
-                **kwargs,
-            )
+            query, key, value = _pad_to_pairs(query_states, key_states, value_states)
+            return call(query=query, key=key, value=value, **kwargs)
         # Decoding one token: padding the whole cached keys every step costs more than forming the scores twice.
+        first_values, second_values = value_states.chunk(2, dim=1)
         first_values = torch.cat([first_values, first_values], dim=1)
         second_values = torch.cat([second_values, second_values], dim=1)
         first_output, attn_weights = call(query=query_states, key=key_states, value=first_values, **kwargs)
