@@ -164,17 +164,15 @@ def differential_decode_attention(
             scores = scores + attention_mask
     maps = nn.functional.softmax(scores, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32))
     maps = maps.to(value.dtype)
-    # Every map is applied to its own half's values and to the other half's: stack each map with the map of the
-    # same position in the other half, and one matmul gives both products for every value head.
-    halves = maps.view(batch, 2, kv_heads // 2, group, -1)
-    both = torch.cat([halves, halves.flip(1)], dim=3).view(batch, kv_heads, 2 * group, -1)
+    # Every value head must be read by the maps of both halves: next to each value head, stack the maps of the same
+    # position in both halves (map 1, then map 2), so that one matmul gives every (map, value half) product.
+    halves = maps.view(batch, 1, 2, kv_heads // 2, group, -1).transpose(2, 3)  # (batch, 1, G/2, 2 maps, group, T)
+    both = halves.expand(batch, 2, -1, -1, -1, -1).reshape(batch, kv_heads, 2 * group, -1)
     products = torch.matmul(both, value).view(batch, 2, kv_heads // 2, 2, group, head_dim).to(lambda_full.dtype)
-    # products[:, a, :, 0] = A(half a)·V(half a);  products[:, a, :, 1] = A(other half)·V(half a).
-    # Differential head i: map 1 is in half 0, map 2 in half 1, and its value pair is [V(half 0), V(half 1)].
-    own, crossed = products.unbind(3)
-    first = own[:, 0] - lambda_full * crossed[:, 0]  # (A1 − λA2)·V(half 0)
-    second = crossed[:, 1] - lambda_full * own[:, 1]  # (A1 − λA2)·V(half 1)
-    return torch.cat([first, second], dim=-1).reshape(batch, 1, num_heads // 2, 2 * head_dim)
+    # products[:, a, :, m] = A(map m)·V(half a): the differential map applied to value half a is m=0 − λ·(m=1).
+    differential = torch.addcmul(products[:, :, :, 0], products[:, :, :, 1], lambda_full, value=-1)
+    # (batch, value half, G/2, group, d) -> (batch, 1, H/2, 2d): differential head i = (G/2 position, group row).
+    return differential.permute(0, 2, 3, 1, 4).reshape(batch, 1, num_heads // 2, 2 * head_dim)
 
 
 def _pad_to_pairs(query, key, value):
