@@ -124,6 +124,8 @@ def main():
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-compile", action="store_true", help="leave out the compiled static-cache decode")
+    parser.add_argument("--only", metavar="TEXT", help="measure only the figures whose name contains TEXT "
+                        "(e.g. decode); results are printed, not written")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -153,6 +155,8 @@ def main():
             m, long_ids[:1, :128], 32, cache_implementation="static", compile_config=compile_config
         )
 
+    if args.only:
+        figures = {label: measure for label, measure in figures.items() if args.only in label}
     for name, model in models.items():  # warm-up, and the one-time compilation
         for label, measure in figures.items():
             print(f"warm-up {name}: {label}", flush=True)
@@ -163,11 +167,16 @@ def main():
             for name, model in models.items():
                 samples[label][name].append(measure(model))
         print(f"round {round_index + 1}/{args.rounds} done", flush=True)
-    peaks = {name: training_peak_bytes(name, args.dtype, args.threads) for name in models}
-
     results = {label: {name: statistics.median(values) for name, values in by_model.items()}
                for label, by_model in samples.items()}
-    results["train step peak memory (MB)"] = {name: peak / 1e6 for name, peak in peaks.items()}
+    if not args.only or args.only in "train step peak memory (MB)":
+        peaks = {name: training_peak_bytes(name, args.dtype, args.threads) for name in models}
+        results["train step peak memory (MB)"] = {name: peak / 1e6 for name, peak in peaks.items()}
+    if args.only:
+        for label, values in results.items():
+            print(f"{label}: " + ", ".join(f"{name} {value:.1f}" for name, value in values.items())
+                  + f"; diff-llama / llama {values['diff-llama'] / values['llama']:.3f}")
+        return
     write_results(results, args)
 
 

@@ -41,10 +41,11 @@ def build_model_card(folder: str | Path, repo_id: str | None = None, location: s
     quality = (conversion or {}).get("quality") or {}
     if quality:
         perplexity = recovery["final_perplexity"] if recovery else quality["converted_perplexity"]
+        source_perplexity = recovery["source_perplexity"] if recovery else quality["source_perplexity"]
         eval_results.append(EvalResult(
             task_type="text-generation", dataset_type="stdlib-docstrings", dataset_name=HELD_OUT_TEXT,
             metric_type="perplexity", metric_value=round(perplexity, 3),
-            metric_name=f"perplexity ({quality['source_perplexity']:.2f} for the source LLaMA)",
+            metric_name=f"perplexity ({source_perplexity:.2f} for the source LLaMA)",
         ))
     card_data = ModelCardData(
         library_name="transformers",

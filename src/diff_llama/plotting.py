@@ -13,9 +13,9 @@ def pyplot():
     return plt
 
 
-def save_png(fig, output: str | Path, dpi: int = 130) -> Path:
-    """Lay out, write and close a figure; creates the folder."""
-    fig.tight_layout()
+def save_png(fig, output: str | Path, dpi: int = 130, rect=(0, 0, 1, 1)) -> Path:
+    """Lay out (within `rect`, in figure coordinates), write and close a figure; creates the folder."""
+    fig.tight_layout(rect=rect)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=dpi)

@@ -155,19 +155,23 @@ def plot_recovery(curve: list[dict], source_perplexity: float, output: str | Pat
     from .plotting import pyplot, save_png
 
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
     minutes = [r["train_minutes"] for r in curve]
-    ax.plot(minutes, [r["perplexity"] for r in curve], marker="o", label="converted DiffLlama")
+    perplexities = [r["perplexity"] for r in curve]
+    ax.plot(minutes, perplexities, marker="o", label="converted DiffLlama")
     ax.axhline(source_perplexity, color="grey", linestyle="--", label="source LLaMA")
     ax.axhline(1.05 * source_perplexity, color="grey", linestyle=":", label="1.05 x source")
+    ax.set_ylim(0.99 * min(source_perplexity, *perplexities), 1.01 * max(1.05 * source_perplexity, *perplexities))
     ax.set_xlabel("training minutes (CPU, evaluation excluded)")
     ax.set_ylabel("held-out perplexity")
     right = ax.twinx()
     right.plot(minutes, [r["mean_abs_lambda"] for r in curve], color="tab:red", marker=".", label="mean |λ|")
     right.set_ylabel("mean |λ| over layers", color="tab:red")
-    ax.legend(loc="upper right", fontsize=8)
+    right.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    return save_png(fig, output)
+    handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8)
+    return save_png(fig, output, rect=(0, 0.06, 1, 1))
 
 
 def recover(model_path: str, output_dir: str, *, source: str | None = None, data: str | None = None,
