@@ -169,10 +169,10 @@ def differential_decode_attention(
     kv_heads = key.shape[1]
     group = num_heads // kv_heads
     # Query heads of one key/value head as rows: (batch, G, group, kv_len).
-    scores = torch.matmul(query.reshape(batch, kv_heads, group, head_dim), key.transpose(2, 3)) * scaling
+    scores = torch.matmul((query * scaling).reshape(batch, kv_heads, group, head_dim), key.transpose(2, 3))
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+            scores = torch.where(attention_mask, scores, torch.finfo(scores.dtype).min)
         else:
             scores = scores + attention_mask
     maps = nn.functional.softmax(scores, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32))
