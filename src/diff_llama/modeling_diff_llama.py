@@ -102,20 +102,7 @@ class DiffLlamaLambda(nn.Module):
 
     def forward(self) -> torch.Tensor:
         """λ as a scalar tensor in float32 (or float64 for a float64 model): never in half precision, where exp() of
-        a dot product loses the small λ updates.
-
-        Without autograd (generation), λ is reused until one of its vectors changes, in place or replaced: otherwise
-        decoding spends eight small ops per layer and token recomputing the same number (7% of a decode step's
-        attention at hidden 512 on CPU).
-        """
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return self._compute()
-        key = tuple((vector.data_ptr(), vector._version, vector.dtype) for vector in self.parameters())
-        if getattr(self, "_cached_key", None) != key:
-            self._cached_key, self._cached_lambda = key, self._compute()
-        return self._cached_lambda
-
-    def _compute(self) -> torch.Tensor:
+        a dot product loses the small λ updates."""
         dtype = torch.promote_types(self.lambda_q1.dtype, torch.float32)
         dot1 = torch.sum(self.lambda_q1.to(dtype) * self.lambda_k1.to(dtype))
         dot2 = torch.sum(self.lambda_q2.to(dtype) * self.lambda_k2.to(dtype))
