@@ -192,6 +192,8 @@ DDP_SCRIPT = textwrap.dedent("""
     dist.all_gather(gathered, lambdas)
     assert torch.equal(gathered[0], gathered[1]) and trainer.state.global_step == 3
     open({out!r} + f"/rank{{dist.get_rank()}}.ok", "w").write(str(lambdas.tolist()))
+    dist.barrier()
+    dist.destroy_process_group()  # without it, gloo's threads can abort the process at exit
 """)
 
 
