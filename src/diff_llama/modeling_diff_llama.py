@@ -104,8 +104,8 @@ class DiffLlamaLambda(nn.Module):
         """λ as a scalar tensor in float32 (or float64 for a float64 model): never in half precision, where exp() of
         a dot product loses the small λ updates."""
         dtype = torch.promote_types(self.lambda_q1.dtype, torch.float32)
-        dot1 = torch.sum(self.lambda_q1.to(dtype) * self.lambda_k1.to(dtype))
-        dot2 = torch.sum(self.lambda_q2.to(dtype) * self.lambda_k2.to(dtype))
+        dot1 = torch.dot(self.lambda_q1.to(dtype), self.lambda_k1.to(dtype))
+        dot2 = torch.dot(self.lambda_q2.to(dtype), self.lambda_k2.to(dtype))
         return torch.exp(dot1) - torch.exp(dot2) + self.lambda_init
 
 
