@@ -25,7 +25,8 @@ def write_results(report: dict, curve_png: Path) -> str:
     lines = [
         f"SmolLM2-135M-Instruct converted (expand layout) then recovered by distillation: {report['steps']} steps of "
         f"batch {report['batch_size']} x {report['block_size']} tokens, {report['threads']} CPU threads, "
-        f"lr {report['learning_rate']:g} (λ {report['lambda_learning_rate']:g}), λ floor {report['lambda_floor']}. "
+        f"lr {report['learning_rate']:g} (λ {report['lambda_learning_rate']:g}, schedule {report.get('lr_schedule', 'constant')}), "
+        f"λ floor {report['lambda_floor']}. "
         f"Held-out perplexity on {report['eval_tokens']} tokens; source LLaMA {source:.2f}.",
         "",
         "| training minutes | step | perplexity | x source | mean abs(λ) |",

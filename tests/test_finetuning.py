@@ -233,3 +233,21 @@ def test_trl_sft_trainer_with_lora_trains_lambda(tmp_path, tokenizer):
     trainer.train()
     assert trainer.state.global_step == 3
     assert not torch.allclose(trainer.model.get_lambdas(), lambdas_before)
+
+
+def test_time_decay_schedule_follows_the_training_clock():
+    from diff_llama.recovery import RecoveryMonitor, time_decay_schedule
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    monitor = RecoveryMonitor(torch.zeros(4, dtype=torch.long), eval_minutes=1, max_minutes=10)
+    schedule = time_decay_schedule(optimizer, monitor)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # first warm-up step
+    for _ in range(20):
+        optimizer.step()
+        schedule.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1.0)  # warm, no training time spent yet
+    monitor.train_seconds = 450  # three quarters of the 10-minute budget
+    optimizer.step()
+    schedule.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.25)

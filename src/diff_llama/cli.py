@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="penalise any layer's λ below this (0 disables; default: %(default)s)")
     recover.add_argument("--batch-size", type=int, default=4, help="default: %(default)s")
     recover.add_argument("--block-size", type=int, default=256, help="default: %(default)s")
+    recover.add_argument("--lr-schedule", choices=["linear", "constant"], default="linear",
+                         help="linear: decay to 0 over the budget (time or steps); default: %(default)s")
     recover.add_argument("--eval-minutes", type=float, default=2.5,
                          help="measure held-out perplexity every this many training minutes (default: %(default)s)")
     recover.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output")
@@ -271,7 +273,7 @@ def _recover(args) -> int:
             lora=args.lora, max_minutes=args.minutes if args.max_steps < 0 else None, max_steps=args.max_steps,
             learning_rate=args.learning_rate, lambda_learning_rate=args.lambda_learning_rate,
             lambda_floor=args.lambda_floor, batch_size=args.batch_size, block_size=args.block_size,
-            eval_minutes=args.eval_minutes, resume=args.resume,
+            eval_minutes=args.eval_minutes, lr_schedule=args.lr_schedule, resume=args.resume,
         )
     except (FileNotFoundError, ValueError) as error:
         print(f"diff-llama recover: error: {error}", file=sys.stderr)

