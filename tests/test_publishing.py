@@ -48,6 +48,8 @@ def test_model_card_metadata_and_measured_quality(converted):
     assert card.data.eval_results[0].metric_type == "perplexity"
     assert card.data.eval_results[0].metric_value == pytest.approx(report["quality"]["converted_perplexity"], abs=1e-3)
     assert f"{report['quality']['source_perplexity']:.2f}" in card.text
+    assert card.text.lstrip().startswith("# diff\n")  # the output's name, not the temporary folder it was written in
+    assert "partial" not in str(card)
 
 
 def test_push_uploads_exactly_the_folder_and_a_card_for_the_repo(converted, online):

@@ -34,7 +34,7 @@ def build_model_card(folder: str | Path, repo_id: str | None = None, location: s
     config = json.loads((folder / "config.json").read_text())
     conversion = _read_report(folder, "conversion_report.json")
     recovery = _read_report(folder, "recovery_report.json")
-    model_name = repo_id.split("/")[-1] if repo_id else folder.name
+    model_name = repo_id.split("/")[-1] if repo_id else Path(location or folder).name
     base_model = base_model_id(conversion["source"]) if conversion else None
 
     eval_results = []
