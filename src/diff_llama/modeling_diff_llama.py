@@ -275,21 +275,40 @@ class DiffLlamaAttention(nn.Module):
         value_states = repeat_kv(value_states, self.kv_expansion)
         # The subtraction cancels most of the signal, so it runs in float32 (or wider) whatever the model dtype.
         lambda_full = self.differential_lambda()
-        if query_states.shape[2] == 1 and self.config._attn_implementation == "sdpa":
+        # Two SDPA cases have kernels of their own; every other case goes through the configured backend.
+        sdpa = self.config._attn_implementation == "sdpa"
+        if sdpa and query_states.shape[2] == 1:
             differential = differential_decode_attention(
                 query_states, key_states, value_states, attention_mask, self.scaling, lambda_full
             )
             attn_weights = None
         else:
-            attn_output, attn_weights = self._maps_times_value_pairs(
-                query_states, key_states, value_states, attention_mask, **kwargs
-            )
+            if sdpa and self._is_causal_cpu_training(query_states, key_states, attention_mask):
+                # Same kernel and layout as the generic prefill; backward keeps the d-wide tensors, not padded ones.
+                attn_output = CausalPairedAttentionCPU.apply(query_states, key_states, value_states, self.scaling)
+                attn_output, attn_weights = attn_output.transpose(1, 2), None
+            else:
+                attn_output, attn_weights = self._maps_times_value_pairs(
+                    query_states, key_states, value_states, attention_mask, **kwargs
+                )
             map1_output, map2_output = attn_output.chunk(2, dim=2)
             differential = map1_output.to(lambda_full.dtype) - lambda_full * map2_output.to(lambda_full.dtype)
         attn_output = (1 - self.differential_lambda.lambda_init) * self.head_norm(differential)
         attn_output = attn_output.to(hidden_states.dtype).reshape(*input_shape, -1)
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
+
+    @staticmethod
+    def _is_causal_cpu_training(query_states, key_states, attention_mask) -> bool:
+        """Whether CausalPairedAttentionCPU applies: CPU, autograd on, plain causal self-attention (no padding mask,
+        no cached prefix), not under torch.compile."""
+        return (
+            attention_mask is None
+            and key_states.shape[2] == query_states.shape[2]
+            and query_states.device.type == "cpu"
+            and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+        )
 
     def _maps_times_value_pairs(self, query_states, key_states, value_states, attention_mask, **kwargs):
         """Every softmax map applied to the 2d-wide value pair of its differential head, through the configured
@@ -301,17 +320,6 @@ class DiffLlamaAttention(nn.Module):
         )
         call = partial(attention_interface, self, attention_mask=attention_mask, dropout=0.0, scaling=self.scaling)
         if query_states.shape[2] > 1:
-            if (
-                self.config._attn_implementation == "sdpa"
-                and attention_mask is None
-                and key_states.shape[2] == query_states.shape[2]
-                and query_states.device.type == "cpu"
-                and torch.is_grad_enabled()
-                and not torch.compiler.is_compiling()
-            ):
-                # Same kernel and layout as below; backward keeps the d-wide tensors instead of the padded ones.
-                output = CausalPairedAttentionCPU.apply(query_states, key_states, value_states, self.scaling)
-                return output.transpose(1, 2), None
             # Prefill: one backend call forms every softmax map once and applies it to the 2d-wide value pair. Fused
             # kernels want equal query/key/value widths, so queries and keys get d zero channels: the scores, hence
             # the maps, are unchanged (the scaling stays 1/sqrt(d)). On CPU at 2048 tokens this is 1.7x one Llama
