@@ -53,8 +53,44 @@ def checkpoint_state_dict(model):
     return revert_weight_conversion(model, model.state_dict())
 
 
+def v1_attention(sd, p, layer, x_normed, qs, ks, vs, allowed, d, eps):
+    """Version 1: differential head i pairs maps i and i + H/2 over the value pair (v_kv(i), v_kv(i + H/2)), a scalar
+    λ per layer, a per-head RMSNorm and the (1 - λ_init) factor. Returns the heads' outputs and (A1, A2) per head."""
+    H, G = len(qs), len(vs)
+    n_rep = H // G
+    lam = layer_lambda(sd, p, layer)
+    heads, layer_maps = [], []
+    for i in range(H // 2):
+        j = i + H // 2
+        a1 = softmax_maps(qs[i], ks[i // n_rep], allowed, d)
+        a2 = softmax_maps(qs[j], ks[j // n_rep], allowed, d)
+        value_pair = torch.cat([vs[i // n_rep], vs[j // n_rep]], -1)
+        out = (a1 - lam * a2) @ value_pair
+        heads.append((1 - lambda_init(layer)) * rms_norm(out, eps))
+        layer_maps.append((a1, a2))
+    return heads, (layer_maps, lam)
+
+
+def v2_attention(sd, p, layer, x_normed, qs, ks, vs, allowed, d, eps):
+    """DIFF V2: O_m = A_m v_kv(m) for every map m; differential head i is O_2i − λ_{t,i} O_2i+1 with
+    λ_{t,i} = sigmoid(x_t · lambda_proj[i]); no head norm. Returns the heads' outputs and (A_2i, A_2i+1, λ_i) per head."""
+    H, G = len(qs), len(vs)
+    n_rep = H // G
+    lambda_proj = sd[f"{p}.self_attn.lambda_proj.weight"]
+    heads, layer_maps = [], []
+    for i in range(H // 2):
+        a, b = 2 * i, 2 * i + 1
+        a1 = softmax_maps(qs[a], ks[a // n_rep], allowed, d)
+        a2 = softmax_maps(qs[b], ks[b // n_rep], allowed, d)
+        lam = torch.sigmoid(x_normed @ lambda_proj[i])  # (T,)
+        heads.append(a1 @ vs[a // n_rep] - lam[:, None] * (a2 @ vs[b // n_rep]))
+        layer_maps.append((a1, a2, lam))
+    return heads, layer_maps
+
+
 def reference_forward(config, state_dict, input_ids, attention_mask=None, return_maps=False):
-    """Logits (B, T, V) in float64 for a DiffLlamaForCausalLM state dict; optionally the per-layer A1, A2, λ.
+    """Logits (B, T, V) in float64 for a DiffLlamaForCausalLM state dict (either `diff_version`); optionally the
+    per-layer maps and λ (see `v1_attention` and `v2_attention`).
 
     Padding follows transformers' conventions: a padded key is never attended to; positions count from 0 at the
     first real token of each row (left padding), as `generate` does.
@@ -62,7 +98,6 @@ def reference_forward(config, state_dict, input_ids, attention_mask=None, return
     sd = {k: v.detach().double() for k, v in state_dict.items()}
     H, G = config.num_attention_heads, config.num_key_value_heads
     d = config.head_dim
-    n_rep = H // G
     eps = config.rms_norm_eps
     theta = config.rope_parameters["rope_theta"]
     B, T = input_ids.shape
@@ -88,17 +123,9 @@ def reference_forward(config, state_dict, input_ids, attention_mask=None, return
             qs = [rope(q[:, i * d : (i + 1) * d], positions, theta) for i in range(H)]
             ks = [rope(k[:, g * d : (g + 1) * d], positions, theta) for g in range(G)]
             vs = [v[:, g * d : (g + 1) * d] for g in range(G)]
-            lam = layer_lambda(sd, p, layer)
-            heads, layer_maps = [], []
-            for i in range(H // 2):
-                j = i + H // 2
-                a1 = softmax_maps(qs[i], ks[i // n_rep], allowed, d)
-                a2 = softmax_maps(qs[j], ks[j // n_rep], allowed, d)
-                value_pair = torch.cat([vs[i // n_rep], vs[j // n_rep]], -1)
-                out = (a1 - lam * a2) @ value_pair
-                heads.append((1 - lambda_init(layer)) * rms_norm(out, eps))
-                layer_maps.append((a1, a2))
-            row_maps.append((layer_maps, lam))
+            attention = v2_attention if getattr(config, "diff_version", 1) == 2 else v1_attention
+            heads, layer_maps = attention(sd, p, layer, h, qs, ks, vs, allowed, d, eps)
+            row_maps.append(layer_maps)
             x = x + torch.cat(heads, -1) @ sd[f"{p}.self_attn.o_proj.weight"].T
             h = rms_norm(x, eps, sd[f"{p}.post_attention_layernorm.weight"])
             gate = h @ sd[f"{p}.mlp.gate_proj.weight"].T

@@ -82,12 +82,14 @@ REMOTE_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.parametrize(
-    "auto_class", [AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModel, AutoModelForQuestionAnswering,
-                   AutoModelForTokenClassification]
+    "auto_class,diff_version",
+    [(AutoModelForCausalLM, 1), (AutoModelForSequenceClassification, 1), (AutoModel, 1),
+     (AutoModelForQuestionAnswering, 1), (AutoModelForTokenClassification, 1), (AutoModelForCausalLM, 2),
+     (AutoModelForSequenceClassification, 2)],
 )
-def test_remote_code_loads_in_fresh_process_without_package(tmp_path, auto_class):
+def test_remote_code_loads_in_fresh_process_without_package(tmp_path, auto_class, diff_version):
     torch.manual_seed(0)
-    model = auto_class.from_config(tiny_config(num_labels=3)).eval()
+    model = auto_class.from_config(tiny_config(num_labels=3, diff_version=diff_version)).eval()
     folder = tmp_path / "model"
     model.save_pretrained(folder)
     input_ids = torch.randint(3, 128, (2, 7))

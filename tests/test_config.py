@@ -1,7 +1,7 @@
 import pytest
 
 from conftest import tiny_config
-from diff_llama import DiffLlamaConfig
+from diff_llama import DiffLlamaConfig, DiffLlamaForCausalLM
 from diff_llama.configuration_diff_llama import AUTO_MAP
 
 
@@ -11,16 +11,33 @@ from diff_llama.configuration_diff_llama import AUTO_MAP
         (dict(num_attention_heads=5, num_key_value_heads=5, head_dim=8), "num_attention_heads"),
         (dict(num_attention_heads=6, num_key_value_heads=4), "num_key_value_heads"),
         (dict(num_attention_heads=6, num_key_value_heads=0), "num_key_value_heads"),
-        (dict(hidden_size=50, head_dim=None), "hidden_size"),
-        (dict(head_dim=7), "head_dim"),
+        (dict(hidden_size=32, head_dim=None, num_attention_heads=32, num_key_value_heads=32), "head_dim"),
         (dict(lambda_std_dev=-0.1), "lambda_std_dev"),
         (dict(attention_dropout=0.1), "attention_dropout"),
-        (dict(diff_version=2), "diff_version"),
+        (dict(diff_version=3), "diff_version"),
+        (dict(diff_version=2, num_attention_heads=6, num_key_value_heads=2), "num_key_value_heads"),
     ],
 )
-def test_invalid_config_names_the_field(overrides, field):
+def test_invalid_layout_is_refused_when_a_model_is_built(overrides, field):
+    config = tiny_config(**overrides)  # like LlamaConfig, the config itself constructs (transformers' tests need it)
     with pytest.raises(ValueError, match=f"`{field}`"):
-        tiny_config(**overrides)
+        DiffLlamaForCausalLM(config)
+
+
+def test_config_constructs_like_llama_config_with_head_dim_one():
+    """transformers' common model tests build `Config(hidden_size=32)` with the default 32 heads (head_dim 1)."""
+    config = DiffLlamaConfig(hidden_size=32)
+    assert config.head_dim == 1
+
+
+def test_config_file_starts_with_a_copyright_line():
+    """transformers' `test_can_init_all_missing_weights` selects models by the `# Copyright YYYY` first line."""
+    import re
+
+    from diff_llama import configuration_diff_llama
+
+    first_line = open(configuration_diff_llama.__file__, encoding="utf-8").readline()
+    assert re.match(r"# Copyright (\d{4})", first_line), first_line
 
 
 def test_valid_layouts_and_defaults():
@@ -42,7 +59,7 @@ def test_round_trip_keeps_fields_and_auto_map(tmp_path):
     assert loaded.rope_parameters["rope_type"] == "linear"
 
 
-def test_invalid_saved_config_is_refused_on_load(tmp_path):
+def test_invalid_saved_config_is_refused_when_its_model_is_built(tmp_path):
     import json
 
     tiny_config().save_pretrained(tmp_path)
@@ -50,4 +67,4 @@ def test_invalid_saved_config_is_refused_on_load(tmp_path):
     data["num_key_value_heads"] = 4
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="num_key_value_heads"):
-        DiffLlamaConfig.from_pretrained(tmp_path)
+        DiffLlamaForCausalLM(DiffLlamaConfig.from_pretrained(tmp_path))

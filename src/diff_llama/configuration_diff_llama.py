@@ -1,3 +1,4 @@
+# Copyright 2026 The diff-llama authors. Licensed under the Apache License, Version 2.0.
 """DiffLlama configuration.
 
 Imports only torch/transformers so that it also works as remote code (`trust_remote_code=True`).
@@ -22,15 +23,21 @@ class DiffLlamaConfig(PreTrainedConfig):
     Configuration of a Differential Transformer (arXiv 2410.05258) with LLaMA's layout: pre-RMSNorm, SwiGLU, RoPE,
     and differential attention in place of softmax attention.
 
-    Every LLaMA field keeps its meaning. `num_attention_heads` (H) counts softmax maps and must be even: differential
-    head `i` subtracts map `i + H/2` from map `i`. `num_key_value_heads` (G) may be any divisor of H, odd and 1
-    included.
+    Every LLaMA field keeps its meaning. `num_attention_heads` (H) counts softmax maps and must be even. Version 1
+    (the paper's): differential head `i` subtracts map `i + H/2` from map `i`, and `num_key_value_heads` (G) may be
+    any divisor of H, odd and 1 included. Version 2 (DIFF V2): differential head `i` subtracts map `2i + 1` from map
+    `2i` with a per-token λ, and G must divide H/2 so that both maps of a pair read the same key and value.
+
+    Like `LlamaConfig`, the config accepts any values; a layout the differential attention cannot run with is refused
+    with a message naming the field when a model is built from it (`validate_differential_layout`).
 
     Args:
         lambda_std_dev (`float`, defaults to 0.1):
             Standard deviation of the normal initialisation of the four per-layer λ vectors.
         diff_version (`int`, defaults to 1):
-            Differential attention variant. Only 1 (the paper's) exists; 2 is reserved for Microsoft's revision.
+            Differential attention variant: 1, the paper's (two maps per head over a 2d-wide value, λ per layer,
+            per-head RMSNorm); 2, DIFF V2 (adjacent maps, λ per token and head from `lambda_proj`, no head norm,
+            one ordinary attention call and the LLaMA's KV cache).
         attention_dropout (`float`, defaults to 0.0):
             Must be 0: the paper defines no dropout for the differential map (see the error message).
 
@@ -89,9 +96,8 @@ class DiffLlamaConfig(PreTrainedConfig):
         self.mlp_bias = mlp_bias
         self.lambda_std_dev = lambda_std_dev
         self.diff_version = diff_version
-        self._validate_differential_layout()
-        if self.head_dim is None:
-            self.head_dim = hidden_size // num_attention_heads
+        if self.head_dim is None and isinstance(num_attention_heads, int) and num_attention_heads > 0:
+            self.head_dim = hidden_size // num_attention_heads  # as LlamaConfig; validated when a model is built
         self.pad_token_id = pad_token_id
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
@@ -101,13 +107,19 @@ class DiffLlamaConfig(PreTrainedConfig):
         kwargs.pop("model_type", None)
         super().__init__(**kwargs)
 
-    def _validate_differential_layout(self):
-        """Refuse, at construction, every value the differential attention cannot run with."""
+    def validate_differential_layout(self):
+        """Refuse every value the differential attention cannot run with, naming the field and the fix. Called when a
+        model is built, so that configs (like `LlamaConfig`) construct with any values, as transformers' tests expect."""
+        if self.diff_version not in (1, 2):
+            raise ValueError(
+                f"DiffLlamaConfig: `diff_version` must be 1 (the paper's differential attention) or 2 (DIFF V2), got "
+                f"{self.diff_version!r}."
+            )
         heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
         if not isinstance(heads, int) or heads < 2 or heads % 2:
             raise ValueError(
-                f"DiffLlamaConfig: `num_attention_heads` must be a positive even number (differential head i "
-                f"subtracts softmax map i + H/2 from map i), got {heads}. To convert a LLaMA with an odd head "
+                f"DiffLlamaConfig: `num_attention_heads` must be a positive even number (the softmax maps are "
+                f"subtracted in pairs), got {heads}. To convert a LLaMA with an odd head "
                 f"count, pad it with an extra GQA group of zero heads (see the converter)."
             )
         if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
@@ -115,15 +127,13 @@ class DiffLlamaConfig(PreTrainedConfig):
                 f"DiffLlamaConfig: `num_key_value_heads` ({kv_heads}) must be a positive divisor of "
                 f"`num_attention_heads` ({heads}); use one of {[g for g in range(1, heads + 1) if heads % g == 0]}."
             )
-        if self.head_dim is None:
-            if self.hidden_size % heads:
-                raise ValueError(
-                    f"DiffLlamaConfig: `hidden_size` ({self.hidden_size}) is not divisible by `num_attention_heads` "
-                    f"({heads}), so `head_dim` cannot be derived; pass `head_dim` explicitly."
-                )
-            head_dim = self.hidden_size // heads
-        else:
-            head_dim = self.head_dim
+        if self.diff_version == 2 and (heads // 2) % kv_heads:
+            raise ValueError(
+                f"DiffLlamaConfig: with diff_version=2, `num_key_value_heads` ({kv_heads}) must divide "
+                f"num_attention_heads / 2 ({heads // 2}), so that maps 2i and 2i + 1 of a pair read the same key and "
+                f"value; use one of {[g for g in range(1, heads // 2 + 1) if (heads // 2) % g == 0]}."
+            )
+        head_dim = self.head_dim
         if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
             raise ValueError(
                 f"DiffLlamaConfig: `head_dim` must be a positive even number (RoPE rotates pairs of channels), got "
@@ -138,11 +148,6 @@ class DiffLlamaConfig(PreTrainedConfig):
                 f"DiffLlamaConfig: `attention_dropout` must be 0, got {self.attention_dropout}. The paper defines no "
                 f"dropout for the differential map A1 - λ·A2, and dropping A1 and A2 independently would change what "
                 f"is subtracted. Regularise with weight decay or dropout outside attention instead."
-            )
-        if self.diff_version != 1:
-            raise ValueError(
-                f"DiffLlamaConfig: `diff_version` {self.diff_version} is not implemented; only 1 (the paper's "
-                f"differential attention) exists. Version 2 is reserved."
             )
 
 

@@ -1,8 +1,10 @@
-"""DiffLlama: LLaMA with differential attention (Ye et al., arXiv 2410.05258), version 1.
+# Copyright 2026 The diff-llama authors. Licensed under the Apache License, Version 2.0.
+"""DiffLlama: LLaMA with differential attention (Ye et al., arXiv 2410.05258).
 
-The maths and tensor layout follow SPEC.md: query heads i and i + H/2 form differential head i,
-both maps read the value pair V_i = concat(v_kv(i), v_kv(i + H/2)), and checkpoint names match
-transformers' built-in `diffllama`, so its checkpoints load unchanged.
+The maths and tensor layout follow SPEC.md. Version 1 (the paper's): query heads i and i + H/2 form differential
+head i, both maps read the value pair V_i = concat(v_kv(i), v_kv(i + H/2)), and checkpoint names match
+transformers' built-in `diffllama`, so its checkpoints load unchanged. Version 2 (DIFF V2, `diff_version=2`): maps
+2i and 2i + 1 of one ordinary attention call are subtracted with a per-token λ = sigmoid(lambda_proj(x)).
 
 Imports only torch, transformers and the sibling configuration file, so that a saved model also
 loads as remote code (`trust_remote_code=True`) where this package is not installed.
@@ -81,8 +83,9 @@ LAMBDA_VECTOR_NAMES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 # In memory the λ vectors live in a small module (`self_attn.differential_lambda`), so that PEFT can train and save
 # them with `modules_to_save`; on disk they keep the built-in model's names (`self_attn.lambda_q1`, ...). transformers
 # applies this renaming when loading and reverts it when saving.
+# DIFF V2's `self_attn.lambda_proj` lives in the same module, for the same reason.
 LAMBDA_CHECKPOINT_RENAMES = {
-    rf"\.self_attn\.{name}": f".self_attn.differential_lambda.{name}" for name in LAMBDA_VECTOR_NAMES
+    rf"\.self_attn\.{name}": f".self_attn.differential_lambda.{name}" for name in (*LAMBDA_VECTOR_NAMES, "lambda_proj")
 }
 register_checkpoint_conversion_mapping(
     "diff_llama", [WeightRenaming(disk, memory) for disk, memory in LAMBDA_CHECKPOINT_RENAMES.items()], overwrite=True
@@ -107,6 +110,19 @@ class DiffLlamaLambda(nn.Module):
         dot1 = torch.dot(self.lambda_q1.to(dtype), self.lambda_k1.to(dtype))
         dot2 = torch.dot(self.lambda_q2.to(dtype), self.lambda_k2.to(dtype))
         return torch.exp(dot1) - torch.exp(dot2) + self.lambda_init
+
+
+class DiffLlamaV2Lambda(nn.Module):
+    """DIFF V2's λ: sigmoid(lambda_proj(x)) per token and differential head, from the attention block's input."""
+
+    def __init__(self, hidden_size: int, num_differential_heads: int):
+        super().__init__()
+        self.lambda_proj = nn.Linear(hidden_size, num_differential_heads, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(batch, seq, h) in float32 or wider: the subtraction it weights cancels much of the signal."""
+        dtype = torch.promote_types(hidden_states.dtype, torch.float32)
+        return torch.sigmoid(nn.functional.linear(hidden_states.to(dtype), self.lambda_proj.weight.to(dtype)))
 
 
 def eager_attention_forward(
@@ -335,11 +351,108 @@ class DiffLlamaAttention(nn.Module):
         return torch.cat([first_output, second_output], dim=-1), attn_weights
 
 
+    @staticmethod
+    def combine_maps(maps: torch.Tensor, lambdas: torch.Tensor) -> torch.Tensor:
+        """Softmax maps (batch, H, q, k) and this layer's λ (a scalar) -> differential maps A_i − λ·A_{i+H/2},
+        (batch, H/2, q, k), in float32 or wider."""
+        dtype = torch.promote_types(maps.dtype, torch.float32)
+        first, second = maps.to(dtype).chunk(2, dim=1)
+        return first - torch.as_tensor(lambdas, dtype=dtype, device=maps.device) * second
+
+
+class DiffLlamaV2Attention(nn.Module):
+    """DIFF V2: out_{t,i} = O_{t,2i} − λ_{t,i}·O_{t,2i+1}, O = one ordinary attention call over all H query heads.
+
+    Keys, values and the KV cache are exactly a LLaMA's (G heads of width d); every backend (eager, SDPA, flex,
+    flash) runs unchanged, since nothing differential happens before the attention output. λ_{t,i} =
+    sigmoid(x_t · lambda_proj[i]) for the block's input x; there is no per-head norm.
+    """
+
+    def __init__(self, config: DiffLlamaConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_differential_heads = config.num_attention_heads // 2
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = True
+
+        self.q_proj = nn.Linear(
+            config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.k_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.v_proj = nn.Linear(
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(
+            self.num_differential_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
+        )
+        self.differential_lambda = DiffLlamaV2Lambda(config.hidden_size, self.num_differential_heads)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        # (batch, seq, H, d) -> (batch, seq, h, 2 maps, d): maps 2i and 2i + 1 are differential head i's pair.
+        pairs = attn_output.reshape(*input_shape, self.num_differential_heads, 2, self.head_dim)
+        lambdas = self.differential_lambda(hidden_states)[..., None]
+        differential = pairs[..., 0, :].to(lambdas.dtype) - lambdas * pairs[..., 1, :].to(lambdas.dtype)
+        attn_output = self.o_proj(differential.to(hidden_states.dtype).reshape(*input_shape, -1))
+        return attn_output, attn_weights
+
+    @staticmethod
+    def combine_maps(maps: torch.Tensor, lambdas: torch.Tensor) -> torch.Tensor:
+        """Softmax maps (batch, H, q, k) and this layer's λ (batch, q, h) -> per-token differential maps
+        A_{2i}[t] − λ_{t,i}·A_{2i+1}[t], (batch, h, q, k), in float32 or wider."""
+        dtype = torch.promote_types(maps.dtype, torch.float32)
+        batch, heads, queries, keys = maps.shape
+        pairs = maps.to(dtype).view(batch, heads // 2, 2, queries, keys)
+        lambdas = lambdas.to(dtype).transpose(1, 2)[..., None]  # (batch, h, q, 1)
+        return pairs[:, :, 0] - lambdas * pairs[:, :, 1]
+
+
+# The attention variant is chosen once, from `config.diff_version`.
+DIFF_ATTENTION_CLASSES = {1: DiffLlamaAttention, 2: DiffLlamaV2Attention}
+
+
 class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
         super().__init__()
         self.hidden_size = config.hidden_size
-        self.self_attn = DiffLlamaAttention(config=config, layer_idx=layer_idx)
+        self.self_attn = DIFF_ATTENTION_CLASSES[config.diff_version](config=config, layer_idx=layer_idx)
         self.mlp = DiffLlamaMLP(config)
         self.input_layernorm = DiffLlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DiffLlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -387,7 +500,7 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _can_record_outputs = {
         "hidden_states": DiffLlamaDecoderLayer,
-        "attentions": DiffLlamaAttention,
+        "attentions": [DiffLlamaAttention, DiffLlamaV2Attention],
     }
 
     @torch.no_grad()
@@ -398,12 +511,52 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
                 init.normal_(getattr(module, name), 0.0, self.config.lambda_std_dev)
 
     def get_lambdas(self) -> torch.Tensor:
-        """The current λ of every layer, float32, shape (num_hidden_layers,)."""
+        """The current λ of every layer, float32, shape (num_hidden_layers,). Version 1 only: DIFF V2's λ depends on
+        the token (see `differential_lambdas`)."""
+        if self.config.diff_version != 1:
+            raise ValueError(
+                "get_lambdas(): DIFF V2's λ is per token and head, not per layer; use "
+                "`model.differential_lambdas(outputs)` with outputs of a forward pass run with output_hidden_states=True."
+            )
         return torch.stack([layer.self_attn.differential_lambda() for layer in self.base_model.layers])
+
+    def differential_lambdas(self, outputs=None) -> tuple[torch.Tensor, ...]:
+        """λ of every layer, float32: version 1, a scalar per layer (no outputs needed); DIFF V2, (batch, seq, h) per
+        layer, recomputed from `outputs.hidden_states` (run the model with `output_hidden_states=True`): layer l's
+        λ is a function of its input, which is hidden state l after that layer's input norm."""
+        layers = self.base_model.layers
+        if self.config.diff_version == 1:
+            return tuple(layer.self_attn.differential_lambda() for layer in layers)
+        hidden_states = getattr(outputs, "hidden_states", None)
+        if hidden_states is None:
+            raise ValueError("DIFF V2's λ depends on the tokens: pass the outputs of a forward pass run with "
+                             "`output_hidden_states=True`.")
+        return tuple(
+            layer.self_attn.differential_lambda(layer.input_layernorm(hidden))
+            for layer, hidden in zip(layers, hidden_states)
+        )
+
+    def differential_maps(self, outputs) -> tuple[torch.Tensor, ...]:
+        """The differential attention maps of every layer, (batch, H/2, q, k) each, from the outputs of a forward pass
+        run with eager attention, `output_attentions=True` and (for DIFF V2, whose λ is per token)
+        `output_hidden_states=True`. Version 1: A_i − λ·A_{i+H/2}; DIFF V2: A_{2i}[t] − λ_{t,i}·A_{2i+1}[t]."""
+        attentions = getattr(outputs, "attentions", None)
+        if attentions is None or any(maps is None for maps in attentions):
+            raise ValueError(
+                "No softmax maps to combine: only eager attention returns them. Load the model with "
+                "`attn_implementation=\"eager\"` (or call `model.set_attn_implementation(\"eager\")`) and pass "
+                "`output_attentions=True`."
+            )
+        lambdas = self.differential_lambdas(outputs)
+        return tuple(
+            layer.self_attn.combine_maps(maps, lam)
+            for layer, maps, lam in zip(self.base_model.layers, attentions, lambdas)
+        )
 
 
 class DiffLlamaModel(DiffLlamaPreTrainedModel):
     def __init__(self, config: DiffLlamaConfig):
+        config.validate_differential_layout()  # the config constructs with any values, as LlamaConfig does
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
@@ -553,7 +706,8 @@ class DiffLlamaForQuestionAnswering(GenericForQuestionAnswering, DiffLlamaPreTra
 def differential_attention_maps(
     attentions: torch.Tensor | Sequence[torch.Tensor], lambdas: float | torch.Tensor | Sequence
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """Turn softmax maps into differential maps A1 - λ·A2.
+    """Turn version-1 softmax maps into differential maps A1 - λ·A2 (for either version, and DIFF V2's per-token
+    λ, use `model.differential_maps(outputs)`).
 
     Args:
         attentions: what `output_attentions=True` returns (eager attention): one tensor of shape
@@ -576,10 +730,7 @@ def differential_attention_maps(
             "`output_attentions=True`."
         )
     if isinstance(attentions, torch.Tensor):
-        dtype = torch.promote_types(attentions.dtype, torch.float32)
-        first, second = attentions.to(dtype).chunk(2, dim=1)
-        lam = torch.as_tensor(lambdas, dtype=dtype, device=attentions.device)
-        return first - lam * second
+        return DiffLlamaAttention.combine_maps(attentions, lambdas)
     if len(attentions) != len(lambdas):
         raise ValueError(f"Got attention maps for {len(attentions)} layers but {len(lambdas)} λ values.")
     return tuple(differential_attention_maps(maps, lam) for maps, lam in zip(attentions, lambdas))
