@@ -35,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("output", help="folder to create")
     convert.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
     convert.add_argument(
+        "--diff-version", type=int, choices=[1, 2], default=1,
+        help="differential attention of the converted model: 1 = the paper's (layout, λ start and calibration "
+        "below apply); 2 = DIFF V2, converted exactly (maps 2j and 2j+1 are LLaMA head j, λ = 0.5, o_proj doubled: "
+        "the LLaMA's function to float rounding, no calibration). Default: %(default)s",
+    )
+    convert.add_argument(
         "--head-layout", choices=["expand", "split"], default="expand",
         help="expand: each LLaMA head gets its own differential head (2x attention width, keeps the LLaMA's "
         "quality); split: same width, LLaMA head i + H/2 becomes the second map of head i (loses more). "
@@ -219,6 +225,7 @@ def _convert(args) -> int:
     from .conversion.errors import ConversionError
 
     options = ConversionOptions(
+        diff_version=args.diff_version,
         head_layout=args.head_layout,
         pad_odd_heads=args.pad_odd_heads,
         lambda_start=args.lambda_start,

@@ -15,6 +15,7 @@ from ..configuration_diff_llama import DiffLlamaConfig
 from ..corpus import CALIBRATION_MODULES, HELD_OUT_MODULES, stdlib_docstrings
 from ..modeling_diff_llama import lambda_init_fn
 from .calibration import CalibrationSettings, LayerwiseRunner
+from .diff_v2 import LAMBDA_PROJ, convert_attention_weights_v2, double_o_proj, paired_query_sources, zero_lambda_proj
 from .errors import ConversionError
 from ..model_card import write_model_card
 from .head_layout import (
@@ -37,12 +38,14 @@ LAYER_TENSORS = (
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 LAMBDA_VECTORS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 OUTPUT_LAYER_TENSORS = LAYER_TENSORS + tuple(f"self_attn.{name}" for name in LAMBDA_VECTORS)  # in write order
+OUTPUT_LAYER_TENSORS_V2 = LAYER_TENSORS + (LAMBDA_PROJ,)
 
 
 @dataclass
 class ConversionOptions:
     """How to convert. The defaults give the most faithful model; see `diff-llama convert --help`."""
 
+    diff_version: int = 1  # 1: the paper's differential attention; 2: DIFF V2, converted exactly (no calibration)
     head_layout: str = "expand"  # "expand": every LLaMA head gets its own differential head; "split": same width
     pad_odd_heads: bool = True  # "split" with odd H: add a KV group of zero heads (otherwise refuse)
     lambda_start: str = "zero"  # "zero": λ = 0 with non-zero gradient; "paper": N(0, lambda_std_dev) vectors
@@ -72,11 +75,16 @@ class ConversionReport:
     layers: list = field(default_factory=list)
 
     def summary(self) -> str:
+        how = (
+            "DIFF V2, exact: maps 2j and 2j+1 are LLaMA head j, λ = 0.5, o_proj doubled"
+            if self.options.get("diff_version", 1) == 2
+            else f"version 1, layout {self.options['head_layout']}"
+        )
         lines = [
             f"Converted {self.source} -> {self.output} in {self.seconds:.0f} s",
             f"  heads: {self.source_num_attention_heads} query / {self.source_num_key_value_heads} KV (LLaMA) -> "
             f"{self.num_attention_heads} softmax maps = {self.num_attention_heads // 2} differential heads / "
-            f"{self.num_key_value_heads} KV (layout {self.options['head_layout']})",
+            f"{self.num_key_value_heads} KV ({how})",
         ]
         q = self.quality
         if q:
@@ -89,7 +97,10 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-def make_layout(source_heads: int, source_kv_heads: int, options: ConversionOptions) -> HeadLayout:
+def make_layout(source_heads: int, source_kv_heads: int, options: ConversionOptions) -> HeadLayout | None:
+    """Version 1's head layout; None for DIFF V2, whose layout is fixed (see diff_v2.py)."""
+    if options.diff_version == 2:
+        return None
     if options.head_layout == "expand":
         layout = expand_layout(source_heads, source_kv_heads)
     elif options.head_layout == "split":
@@ -105,18 +116,19 @@ def make_layout(source_heads: int, source_kv_heads: int, options: ConversionOpti
     return layout
 
 
-def diff_config_for(source_config, layout: HeadLayout) -> DiffLlamaConfig:
-    """The DiffLlama config of the converted model: the LLaMA's fields with the new head counts."""
+def diff_config_for(source_config, layout: HeadLayout | None) -> DiffLlamaConfig:
+    """The DiffLlama config of the converted model: the LLaMA's fields with the new head counts. `layout` None: DIFF
+    V2, twice the LLaMA's query heads over its own KV heads."""
     values = source_config.to_dict()
     for key in ("model_type", "architectures", "transformers_version", "auto_map", "pretraining_tp", "_name_or_path",
                 "quantization_config", "dtype"):
         values.pop(key, None)
-    values.update(
-        num_attention_heads=layout.num_heads,
-        num_key_value_heads=layout.num_kv_heads,
-        head_dim=source_config.head_dim,
-        attention_dropout=0.0,
-    )
+    if layout is None:
+        heads = dict(num_attention_heads=2 * source_config.num_attention_heads,
+                     num_key_value_heads=source_config.num_key_value_heads, diff_version=2)
+    else:
+        heads = dict(num_attention_heads=layout.num_heads, num_key_value_heads=layout.num_kv_heads)
+    values.update(heads, head_dim=source_config.head_dim, attention_dropout=0.0)
     config = DiffLlamaConfig(**values)
     config.architectures = ["DiffLlamaForCausalLM"]
     config.dtype = getattr(source_config, "dtype", None)
@@ -213,6 +225,8 @@ def convert_llama_to_diff_llama(
         raise ConversionError(f"unknown calibration {options.calibration!r}; use lstsq, scale or none.")
     if options.lambda_start not in ("zero", "paper"):
         raise ConversionError(f"unknown lambda start {options.lambda_start!r}; use zero or paper.")
+    if options.diff_version not in (1, 2):
+        raise ConversionError(f"unknown diff version {options.diff_version!r}; use 1 (the paper's) or 2 (DIFF V2).")
     target = AtomicOutputFolder(output, overwrite=overwrite)  # refuses an existing output before any work
 
     src = open_source(source)
@@ -222,7 +236,7 @@ def convert_llama_to_diff_llama(
     diff_config = diff_config_for(config, layout)
     out_dtype = src.get("model.norm.weight").dtype  # the converted model keeps the checkpoint's dtype
 
-    calibrating = options.calibration != "none"
+    calibrating = options.calibration != "none" and layout is not None  # DIFF V2 is exact: nothing to calibrate
     # A folder's tokenizer files are copied as they are; loading the tokenizer costs time only worth paying when
     # text is encoded or the tokenizer lives inside a GGUF file.
     needs_tokenizer = calibrating or options.evaluate or src.description.endswith(".gguf")
@@ -255,6 +269,7 @@ def convert_llama_to_diff_llama(
     layer_diagnostics = []
     with target as folder:
         writer = StreamingSafetensorsWriter(folder, write_plan(diff_config, out_dtype), options.max_shard_bytes)
+        layer_tensors = OUTPUT_LAYER_TENSORS if layout is not None else OUTPUT_LAYER_TENSORS_V2
         bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="converting", disable=not progress)
 
         def progress(name):
@@ -280,11 +295,14 @@ def convert_llama_to_diff_llama(
                 _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype, copy_tensor, progress)
                 continue
             attention = {name: src.get(prefix + name) for name in LAYER_TENSORS if name.startswith("self_attn.")}
-            new_attention = convert_attention_weights(
-                *(attention[f"self_attn.{p}.weight"] for p in ATTENTION_PROJECTIONS), layout, config.head_dim
-            )
-            converted = {f"self_attn.{p}.weight": t for p, t in new_attention.items()}
-            converted.update({f"self_attn.{n}": v for n, v in _lambda_vectors(layer, diff_config, options).items()})
+            projections = [attention[f"self_attn.{p}.weight"] for p in ATTENTION_PROJECTIONS]
+            if layout is None:
+                new_attention = convert_attention_weights_v2(*projections, config.head_dim)
+            else:
+                new_attention = convert_attention_weights(*projections, layout, config.head_dim)
+                new_attention.update(_lambda_vectors(layer, diff_config, options))
+            converted = {(f"self_attn.{p}.weight" if p.endswith("proj") else f"self_attn.{p}"): t
+                         for p, t in new_attention.items()}
             source_tensors = {**attention, **{n: src.get(prefix + n) for n in LAYER_TENSORS if n not in attention}}
             converted = {**source_tensors, **converted}
             source_layer, converted_layer = runner.build_layers(layer, source_tensors, converted)
@@ -298,7 +316,7 @@ def convert_llama_to_diff_llama(
                     getattr(converted_layer.self_attn, p).weight.data = converted[f"self_attn.{p}.weight"].float()
             runner.advance(source_layer, converted_layer)
 
-            for name in OUTPUT_LAYER_TENSORS:
+            for name in layer_tensors:
                 writer.add(prefix + name, converted[name].to(out_dtype))
             bar.update(sum(t.numel() * t.element_size() for t in source_tensors.values()))
 
@@ -321,8 +339,8 @@ def convert_llama_to_diff_llama(
             source=src.description,
             output=str(Path(output).absolute()),
             options=asdict(options),
-            num_attention_heads=layout.num_heads,
-            num_key_value_heads=layout.num_kv_heads,
+            num_attention_heads=diff_config.num_attention_heads,
+            num_key_value_heads=diff_config.num_key_value_heads,
             source_num_attention_heads=config.num_attention_heads,
             source_num_key_value_heads=config.num_key_value_heads,
             seconds=time.perf_counter() - started,
@@ -336,19 +354,28 @@ def convert_llama_to_diff_llama(
 
 def _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype, copy_tensor, progress) -> None:
     """Write one converted layer without running it: q/k/v are row-block gathers of the stored tensors (kernel
-    copies), o_proj is permuted in memory, everything else is copied unchanged."""
+    copies), o_proj is permuted (version 1) or doubled (DIFF V2) in memory, everything else is copied unchanged.
+    `layout` None: DIFF V2."""
     head_dim, hidden = diff_config.head_dim, diff_config.hidden_size
     o_proj = src.get(prefix + "self_attn.o_proj.weight")
-    lambdas = _lambda_vectors(layer, diff_config, options)
-    for name in OUTPUT_LAYER_TENSORS:
+    if layout is None:
+        names, query_sources = OUTPUT_LAYER_TENSORS_V2, paired_query_sources(diff_config.num_attention_heads // 2)
+        kv_sources = tuple(range(diff_config.num_key_value_heads))
+        extra = {LAMBDA_PROJ: zero_lambda_proj(diff_config.num_attention_heads // 2, hidden, out_dtype)}
+        new_o_proj = double_o_proj(o_proj)
+    else:
+        names, query_sources, kv_sources = OUTPUT_LAYER_TENSORS, layout.query_sources, layout.kv_sources
+        extra = {f"self_attn.{n}": v for n, v in _lambda_vectors(layer, diff_config, options).items()}
+        new_o_proj = permute_o_proj(o_proj, layout, head_dim)
+    for name in names:
         full = prefix + name
-        if name.startswith("self_attn.lambda"):
-            writer.add(full, lambdas[name.removeprefix("self_attn.")].to(out_dtype))
+        if name in extra:
+            writer.add(full, extra[name].to(out_dtype))
         elif name == "self_attn.o_proj.weight":
-            writer.add(full, permute_o_proj(o_proj, layout, head_dim).to(out_dtype))
+            writer.add(full, new_o_proj.to(out_dtype))
             progress(full)
         elif name.startswith("self_attn."):
-            sources = layout.query_sources if name.startswith("self_attn.q_proj") else layout.kv_sources
+            sources = query_sources if name.startswith("self_attn.q_proj") else kv_sources
             shape, dtype = src.tensor_info(full)
             location = src.location(full)
             if location is not None and dtype == SAFETENSORS_DTYPES[out_dtype]:
@@ -367,9 +394,17 @@ def write_plan(config: DiffLlamaConfig, dtype: torch.dtype) -> list:
     """Every output tensor (name, shape, dtype) in the order the converter writes them."""
     hidden, head_dim = config.hidden_size, config.head_dim
     plan = [("model.embed_tokens.weight", (config.vocab_size, hidden), dtype)]
-    layer_shapes = {**_expected_shapes(config), **{f"self_attn.{name}": (head_dim,) for name in LAMBDA_VECTORS}}
+    layer_shapes = _expected_shapes(config)
+    if config.diff_version == 2:
+        names = OUTPUT_LAYER_TENSORS_V2
+        differential_heads = config.num_attention_heads // 2
+        layer_shapes.update({"self_attn.o_proj.weight": (hidden, differential_heads * head_dim),
+                             LAMBDA_PROJ: (differential_heads, hidden)})
+    else:
+        names = OUTPUT_LAYER_TENSORS
+        layer_shapes.update({f"self_attn.{name}": (head_dim,) for name in LAMBDA_VECTORS})
     for layer in range(config.num_hidden_layers):
-        plan += [(f"model.layers.{layer}.{name}", layer_shapes[name], dtype) for name in OUTPUT_LAYER_TENSORS]
+        plan += [(f"model.layers.{layer}.{name}", layer_shapes[name], dtype) for name in names]
     plan.append(("model.norm.weight", (hidden,), dtype))
     if not config.tie_word_embeddings:
         plan.append(("lm_head.weight", (config.vocab_size, hidden), dtype))

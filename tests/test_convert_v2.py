@@ -1,0 +1,110 @@
+"""`diff-llama convert --diff-version 2`: the exact conversion of SPEC.md's "Version 2", on real (small, random)
+LLaMA checkpoints written by transformers."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+from diff_llama import DiffLlamaForCausalLM
+from diff_llama.cli import main
+from diff_llama.conversion.converter import ConversionOptions, convert_llama_to_diff_llama
+from test_converter import make_llama
+
+FAST = dict(eval_tokens=1024, seq_len=128)
+
+
+def _inputs(vocab, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, vocab, (3, 20), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :7] = 0
+    return input_ids, attention_mask
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1), (8, 2), (6, 6)])
+def test_converted_model_computes_the_llama_function(tmp_path, tokenizer, heads, kv_heads):
+    source = make_llama(tmp_path / "llama", tokenizer, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                        hidden_size=8 * heads)
+    report = convert_llama_to_diff_llama(str(source), str(tmp_path / "v2"), ConversionOptions(diff_version=2, **FAST),
+                                         progress=False)
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "v2").eval()
+    assert isinstance(converted, DiffLlamaForCausalLM)
+    assert converted.config.diff_version == 2
+    assert converted.config.num_attention_heads == 2 * heads and converted.config.num_key_value_heads == kv_heads
+    llama = LlamaForCausalLM.from_pretrained(source).eval()
+    input_ids, attention_mask = _inputs(len(tokenizer))
+    real = attention_mask.bool()
+    with torch.no_grad():
+        # float64 (O − 0.5·O and 2 x o_proj are exact): what is left is LlamaRMSNorm's and Llama's rotary embedding's
+        # float32 internals (transformers' LLaMA drops to float32 there even in a float64 model; ours does not).
+        expected = llama.double()(input_ids, attention_mask=attention_mask).logits
+        logits = converted.double()(input_ids, attention_mask=attention_mask).logits
+        torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=1e-6)
+        expected = llama.float()(input_ids, attention_mask=attention_mask).logits
+        logits = converted.float()(input_ids, attention_mask=attention_mask).logits
+        assert (logits[real] - expected[real]).abs().max() < 1e-4
+    quality = report.quality
+    assert abs(quality["converted_perplexity"] / quality["source_perplexity"] - 1) < 1e-5
+    assert quality["kl_source_to_converted"] < 1e-8
+
+
+def test_weights_follow_the_spec_and_streaming_writes_the_same_bytes(tmp_path, tokenizer):
+    source = make_llama(tmp_path / "llama", tokenizer)  # H = 9, G = 3, head_dim 8
+    convert_llama_to_diff_llama(str(source), str(tmp_path / "evaluated"), ConversionOptions(diff_version=2, **FAST),
+                                progress=False)
+    # No evaluation: nothing runs the model, the tensors are streamed (q as row-block copies of the stored bytes).
+    convert_llama_to_diff_llama(str(source), str(tmp_path / "streamed"),
+                                ConversionOptions(diff_version=2, evaluate=False), progress=False)
+    evaluated = load_file(tmp_path / "evaluated" / "model.safetensors")
+    streamed = load_file(tmp_path / "streamed" / "model.safetensors")
+    assert evaluated.keys() == streamed.keys()
+    for name in evaluated:
+        assert torch.equal(evaluated[name], streamed[name]), name
+    llama = load_file(source / "model.safetensors")
+    for layer in range(3):
+        p = f"model.layers.{layer}.self_attn."
+        q = llama[p + "q_proj.weight"].view(9, 8, -1)
+        new_q = evaluated[p + "q_proj.weight"].view(18, 8, -1)
+        for j in range(9):
+            assert torch.equal(new_q[2 * j], q[j]) and torch.equal(new_q[2 * j + 1], q[j])
+        assert torch.equal(evaluated[p + "k_proj.weight"], llama[p + "k_proj.weight"])
+        assert torch.equal(evaluated[p + "v_proj.weight"], llama[p + "v_proj.weight"])
+        assert torch.equal(evaluated[p + "o_proj.weight"], 2 * llama[p + "o_proj.weight"])
+        assert torch.equal(evaluated[p + "lambda_proj.weight"], torch.zeros(9, 72))
+    config = json.loads((tmp_path / "streamed" / "config.json").read_text())
+    assert config["diff_version"] == 2 and config["num_attention_heads"] == 18
+
+
+def test_one_training_step_leaves_the_exact_start(tmp_path, tokenizer):
+    """At the start the two maps of a pair receive +1 and −λ = −0.5 times the same signal, and λ a non-zero one: one
+    SGD step moves both heads of every pair, differently (exactly −0.5 times), and the λ projection."""
+    source = make_llama(tmp_path / "llama", tokenizer)
+    convert_llama_to_diff_llama(str(source), str(tmp_path / "v2"), ConversionOptions(diff_version=2, evaluate=False),
+                                progress=False)
+    model = DiffLlamaForCausalLM.from_pretrained(tmp_path / "v2", dtype=torch.float64).train()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    input_ids, _ = _inputs(len(tokenizer))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model(input_ids, labels=input_ids).loss.backward()
+    optimizer.step()
+    for layer in range(3):
+        attention = model.model.layers[layer].self_attn
+        delta_q = (attention.q_proj.weight - before[f"model.layers.{layer}.self_attn.q_proj.weight"]).view(9, 2, 8, -1)
+        assert (delta_q[:, 0].flatten(1).norm(dim=1) > 0).all() and (delta_q[:, 1].flatten(1).norm(dim=1) > 0).all()
+        torch.testing.assert_close(delta_q[:, 1], -0.5 * delta_q[:, 0], rtol=1e-9, atol=1e-15)
+        lambda_proj = attention.differential_lambda.lambda_proj.weight
+        assert (lambda_proj != 0).any(axis=1).all()  # every differential head's λ moves
+
+
+def test_command_line_and_remote_code(tmp_path, tokenizer, capsys):
+    source = make_llama(tmp_path / "llama", tokenizer)
+    out = tmp_path / "v2"
+    assert main(["convert", str(source), str(out), "--diff-version", "2", "--eval-tokens", "1024"]) == 0
+    printed = capsys.readouterr().out
+    assert "DIFF V2, exact" in printed and "(1.000x)" in printed
+    assert (out / "modeling_diff_llama.py").is_file()
+    report = json.loads((out / "conversion_report.json").read_text())
+    assert report["options"]["diff_version"] == 2 and report["layers"] == []
