@@ -2,8 +2,9 @@
 
 Measures, in one run on the same files:
 - the baseline: copying the checkpoint folder (shutil.copytree), after one warm-up read so both see a warm page cache;
-- the conversion with calibration and evaluation off (they are measured separately by the quality report), for the
-  same-width layout (split) and the default (expand), each in a fresh process whose peak RSS is recorded; the time
+- the conversion with calibration and evaluation off (they are measured separately by the quality report), for
+  version 1's same-width layout (split) and its expand layout, and for DIFF V2's exact conversion (which never
+  calibrates), each in a fresh process whose peak RSS is recorded; the time
   is taken around the conversion call and, separately, for the whole process including interpreter start-up.
 
 Usage: python bench/convert_benchmark.py [--workdir DIR] [--layers 21]
@@ -57,9 +58,9 @@ WRAPPER = (
 # torch and transformers, about 4 s here, plus first-use costs paid once by converting a tiny checkpoint) is
 # reported apart from the conversion itself.
 CONVERT = (
-    "import os, shutil, sys, time; from diff_llama.conversion.converter import ConversionOptions, "
+    "import json, os, shutil, sys, time; from diff_llama.conversion.converter import ConversionOptions, "
     "convert_llama_to_diff_llama; "
-    "options = ConversionOptions(head_layout=sys.argv[3], calibration='none', evaluate=False, "
+    "options = ConversionOptions(**json.loads(sys.argv[3]), calibration='none', evaluate=False, "
     "max_shard_bytes=500 * 10**6); "
     "convert_llama_to_diff_llama(sys.argv[4], sys.argv[2] + '-warmup', options, progress=False); "
     "shutil.rmtree(sys.argv[2] + '-warmup'); os.sync(); "
@@ -91,28 +92,31 @@ def main():
 
     for file in source.iterdir():  # warm the page cache for every contender alike
         file.read_bytes()
-    copies, runs = [], {"split": [], "expand": []}
+    variants = {"v1 split": dict(head_layout="split"), "v1 expand": dict(head_layout="expand"),
+                "v2 (exact)": dict(diff_version=2)}
+    copies, runs = [], {name: [] for name in variants}
     for _ in range(args.repeats):  # interleaved, medians reported
         os.sync()  # every contender starts with no dirty pages waiting to be written back
         started = time.perf_counter()
         shutil.copytree(source, workdir / "copy")
         copies.append(time.perf_counter() - started)
         shutil.rmtree(workdir / "copy")
-        for layout in runs:
-            out = workdir / f"diff-{layout}"
+        for name, options in variants.items():
+            out = workdir / "diff"
             os.sync()
-            inner, whole, peak = timed_child([sys.executable, "-c", CONVERT, str(source), str(out), layout, str(tiny)])
+            inner, whole, peak = timed_child([sys.executable, "-c", CONVERT, str(source), str(out),
+                                              json.dumps(options), str(tiny)])
             written = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-            runs[layout].append((inner, whole, peak, written))
+            runs[name].append((inner, whole, peak, written))
             shutil.rmtree(out)
     copy_seconds = statistics.median(copies)
 
     rows = []
-    for layout, samples in runs.items():
+    for variant, samples in runs.items():
         inner = statistics.median(s[0] for s in samples)
         whole = statistics.median(s[1] for s in samples)
         peak = max(s[2] for s in samples)
-        rows.append({"layout": layout, "seconds": inner, "ratio_to_copy": inner / copy_seconds,
+        rows.append({"variant": variant, "seconds": inner, "ratio_to_copy": inner / copy_seconds,
                      "command_seconds": whole, "command_ratio_to_copy": whole / copy_seconds,
                      "written_gb": samples[0][3] / 1e9, "peak_rss_gb": peak / 1e9,
                      "peak_minus_layer_gb": (peak - layer_bytes) / 1e9})
@@ -128,11 +132,11 @@ def main():
         f"copying the folder: {copy_seconds:.1f} s. Calibration and evaluation off; medians of {args.repeats} "
         "interleaved runs.",
         "",
-        "| layout | conversion s | x copy | whole process s (with start-up) | x copy | written GB | peak RSS GB "
+        "| conversion | conversion s | x copy | whole process s (with start-up) | x copy | written GB | peak RSS GB "
         "| peak − one layer GB |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    lines += [f"| {r['layout']} | {r['seconds']:.1f} | {r['ratio_to_copy']:.2f} | {r['command_seconds']:.1f} | "
+    lines += [f"| {r['variant']} | {r['seconds']:.1f} | {r['ratio_to_copy']:.2f} | {r['command_seconds']:.1f} | "
               f"{r['command_ratio_to_copy']:.2f} | {r['written_gb']:.2f} | {r['peak_rss_gb']:.2f} | "
               f"{r['peak_minus_layer_gb']:.2f} |" for r in rows]
     lines.append(f"\nPeak RSS of a process that only imports torch, transformers and diff_llama: "

@@ -1,8 +1,11 @@
-"""Speed and memory of diff-llama against transformers' built-in DiffLlama and Llama, in ONE run.
+"""Speed and memory of diff-llama (version 1 and DIFF V2) against transformers' built-in DiffLlama and Llama, in ONE run.
 
-Same config (hidden 512, 8 heads, 4 layers, vocab 32000 unless told), dtype, threads and inputs for all three;
-the Llama has the same shapes, so the same parameter count but for the 4 λ vectors per layer. Every figure is the
-median of interleaved repetitions (model A, B, C, A, B, C, ...):
+Same config (hidden 512, 8 heads, 4 layers, vocab 32000 unless told), dtype, threads and inputs for all models:
+- `llama`: the LLaMA; `diff-llama` (version 1) and `built-in` have its shapes (plus 4 λ vectors per layer);
+- `diff-llama v2`: DIFF V2 as `convert --diff-version 2` makes it from that LLaMA: 16 softmax maps over the same
+  8 KV heads (the LLaMA's KV cache), o_proj from 8 heads, a λ projection;
+- `llama 2x heads`: a LLaMA with those 16 query heads over 8 KV heads, the bound the issue sets for V2's prefill.
+Every figure is the median of interleaved repetitions (model A, B, C, A, B, C, ...):
 - one attention layer alone at 2048 tokens (projections, RoPE, attention, output projection; causal, no mask);
 - prefill time at 512 and 2048 tokens (batch 1, logits of the last token);
 - decode tokens/s with the dynamic cache at batch 1 and 8, and with the static cache with and without torch.compile
@@ -26,7 +29,11 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).parent / "results"
-MODELS = ("llama", "diff-llama", "built-in")
+MODELS = ("llama", "diff-llama", "built-in", "diff-llama v2", "llama 2x heads")
+# The ratios the table reports: (model, baseline).
+RATIOS = (("diff-llama", "llama"), ("diff-llama", "built-in"), ("diff-llama v2", "llama"),
+          ("diff-llama v2", "llama 2x heads"))
+TWICE_THE_QUERY_HEADS = dict(num_attention_heads=16, num_key_value_heads=8, head_dim=64)
 SHAPE = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=8, max_position_embeddings=4096)
 
@@ -37,10 +44,18 @@ def build(name: str, dtype: torch.dtype):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         model = LlamaForCausalLM(LlamaConfig(**SHAPE))
+    elif name == "llama 2x heads":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(**{**SHAPE, **TWICE_THE_QUERY_HEADS}))
     elif name == "diff-llama":
         from diff_llama import DiffLlamaConfig, DiffLlamaForCausalLM
 
         model = DiffLlamaForCausalLM(DiffLlamaConfig(**SHAPE))
+    elif name == "diff-llama v2":
+        from diff_llama import DiffLlamaConfig, DiffLlamaForCausalLM
+
+        model = DiffLlamaForCausalLM(DiffLlamaConfig(**SHAPE, **TWICE_THE_QUERY_HEADS, diff_version=2))
     else:
         from transformers import DiffLlamaConfig, DiffLlamaForCausalLM
 
@@ -174,8 +189,8 @@ def main():
         results["train step peak memory (MB)"] = {name: peak / 1e6 for name, peak in peaks.items()}
     if args.only:
         for label, values in results.items():
-            print(f"{label}: " + ", ".join(f"{name} {value:.1f}" for name, value in values.items())
-                  + f"; diff-llama / llama {values['diff-llama'] / values['llama']:.3f}")
+            print(f"{label}: " + ", ".join(f"{name} {value:.1f}" for name, value in values.items()) + "; "
+                  + ", ".join(f"{a} / {b} {values[a] / values[b]:.3f}" for a, b in RATIOS))
         return
     write_results(results, args)
 
@@ -190,12 +205,12 @@ def write_results(results, args):
         f"{args.dtype}, {args.threads} threads, medians of {args.rounds} interleaved rounds. Times: lower is better; "
         "tok/s: higher is better.",
         "",
-        "| figure | Llama | diff-llama | built-in DiffLlama | diff-llama / Llama | diff-llama / built-in |",
-        "|---|---|---|---|---|---|",
+        "| figure | " + " | ".join(MODELS) + " | " + " | ".join(f"{a} / {b}" for a, b in RATIOS) + " |",
+        "|---" * (1 + len(MODELS) + len(RATIOS)) + "|",
     ]
     for label, values in results.items():
-        ours, llama, builtin = values["diff-llama"], values["llama"], values["built-in"]
-        lines.append(f"| {label} | {llama:.1f} | {ours:.1f} | {builtin:.1f} | {ours / llama:.2f} | {ours / builtin:.2f} |")
+        lines.append(f"| {label} | " + " | ".join(f"{values[name]:.1f}" for name in MODELS) + " | "
+                     + " | ".join(f"{values[a] / values[b]:.2f}" for a, b in RATIOS) + " |")
     (RESULTS / "model.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(results)
@@ -209,8 +224,9 @@ def plot(results):
 
     labels = list(results)
     fig, ax = plt.subplots(figsize=(12, 5))
-    width = 0.38
-    for offset, (name, colour) in zip((-width / 2, width / 2), (("diff-llama", "tab:blue"), ("built-in", "tab:orange"))):
+    width = 0.26
+    bars = (("diff-llama", "tab:blue"), ("built-in", "tab:orange"), ("diff-llama v2", "tab:green"))
+    for offset, (name, colour) in zip((-width, 0, width), bars):
         ratios = [results[label][name] / results[label]["llama"] for label in labels]
         ax.bar([i + offset for i in range(len(labels))], ratios, width, label=name, color=colour)
     ax.axhline(1.0, color="black", linewidth=1)

@@ -72,11 +72,21 @@ def test_attention_map_command_writes_pngs(tmp_path, tokenizer, capsys):
     assert "--layer must be between 0 and 2" in capsys.readouterr().err
 
 
-def test_attention_maps_are_the_models_maps(tokenizer):
+@pytest.mark.parametrize("diff_version", [1, 2])
+def test_attention_maps_are_the_models_maps(tokenizer, diff_version):
     from diff_llama.attention_maps import attention_maps
 
-    model = tiny_model(vocab_size=len(tokenizer), num_attention_heads=4, num_key_value_heads=2)
-    maps, lam, differential, tokens = attention_maps(model, tokenizer, "The quick brown fox", layer=2)
-    assert maps.shape[0] == 4 and differential.shape[0] == 2 and len(tokens) == maps.shape[-1]
-    torch.testing.assert_close(differential, maps[:2] - lam * maps[2:])
-    torch.testing.assert_close(maps.sum(-1), torch.ones(maps.shape[:2]))
+    model = tiny_model(vocab_size=len(tokenizer), num_attention_heads=4, num_key_value_heads=2,
+                       diff_version=diff_version)
+    first, second, lam, differential, tokens = attention_maps(model, tokenizer, "The quick brown fox", layer=2)
+    with torch.no_grad():
+        maps = model(**tokenizer("The quick brown fox", return_tensors="pt"), output_attentions=True).attentions[2][0]
+    assert first.shape[0] == second.shape[0] == differential.shape[0] == 2 and len(tokens) == maps.shape[-1]
+    if diff_version == 1:  # pairs (i, i + H/2), one λ per layer
+        torch.testing.assert_close(first, maps[:2])
+        torch.testing.assert_close(differential, maps[:2] - lam * maps[2:])
+    else:  # pairs (2i, 2i + 1), λ per query token and head
+        torch.testing.assert_close(second, maps[1::2])
+        assert lam.shape == (len(tokens), 2)
+        torch.testing.assert_close(differential, maps[0::2] - lam.T[:, :, None] * maps[1::2])
+    torch.testing.assert_close(first.sum(-1), torch.ones(first.shape[:2]))

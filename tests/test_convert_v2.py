@@ -108,3 +108,31 @@ def test_command_line_and_remote_code(tmp_path, tokenizer, capsys):
     assert (out / "modeling_diff_llama.py").is_file()
     report = json.loads((out / "conversion_report.json").read_text())
     assert report["options"]["diff_version"] == 2 and report["layers"] == []
+
+
+def test_fine_tunes_like_its_source_and_recover_refuses(tmp_path, tokenizer):
+    """The default `diff-llama train` (full and LoRA) improves the exact conversion as much as its source (within
+    1.05x of the source's held-out perplexity after the same steps)."""
+    from conftest import SAMPLE_TEXT
+    from diff_llama.evaluation import perplexity
+    from diff_llama.recovery import recover
+    from diff_llama.training import train
+
+    source = make_llama(tmp_path / "llama", tokenizer)
+    convert_llama_to_diff_llama(str(source), str(tmp_path / "v2"), ConversionOptions(diff_version=2, evaluate=False),
+                                progress=False)
+    data = tmp_path / "train.txt"
+    data.write_text(SAMPLE_TEXT * 4)
+    held_out = tokenizer(SAMPLE_TEXT[::-1] + SAMPLE_TEXT, return_tensors="pt").input_ids
+    for lora in (False, True):
+        results = {}
+        for name in ("llama", "v2"):
+            output = train(str(tmp_path / name), str(data), str(tmp_path / f"{name}-{lora}"), lora=lora, merge=True,
+                           max_steps=6, batch_size=4, block_size=32, learning_rate=1e-3, logging_steps=2,
+                           monitor=False)
+            results[name] = perplexity(AutoModelForCausalLM.from_pretrained(output), held_out, window=64)
+        before = perplexity(AutoModelForCausalLM.from_pretrained(source), held_out, window=64)
+        assert results["llama"] < 0.9 * before  # the training moved the source
+        assert results["v2"] <= 1.05 * results["llama"], (lora, before, results)
+    with pytest.raises(ValueError, match="DIFF V2"):
+        recover(str(tmp_path / "v2"), str(tmp_path / "recovered"), source=str(source), max_steps=1)

@@ -36,6 +36,22 @@ def test_stats_follow_their_definitions():
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_stats_of_diff_v2_use_the_per_token_maps():
+    model = tiny_model(diff_version=2, num_attention_heads=4, num_key_value_heads=2)
+    probe = torch.randint(3, 128, (1, 12))
+    stats = differential_attention_stats(model, probe)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        out = model(probe, output_attentions=True, output_hidden_states=True)
+    for layer in range(3):
+        attention = model.model.layers[layer]
+        lam = attention.self_attn.differential_lambda(attention.input_layernorm(out.hidden_states[layer]))[0]
+        pairs = out.attentions[layer][0].view(2, 2, 12, 12)  # (differential head, map, q, k)
+        m = pairs[:, 0] - lam.T[:, :, None] * pairs[:, 1]
+        assert stats[f"diff_attn/lambda/layer_{layer}"] == pytest.approx(lam.mean().item(), rel=1e-5)
+        assert stats[f"diff_attn/first_token_mass/layer_{layer}"] == pytest.approx(m[..., 0].mean().item(), rel=1e-5)
+
+
 def test_callback_logs_through_the_real_trainer(tmp_path, tokenizer):
     model = tiny_model(vocab_size=len(tokenizer)).train()
     ids = tokenizer(SAMPLE_TEXT, return_tensors="pt").input_ids[0]

@@ -49,3 +49,25 @@ def test_converted_smollm2_loads_as_remote_code(converted, tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().startswith("transformers_modules")
+
+
+def test_diff_v2_conversion_is_exact_on_smollm2(tmp_path):
+    """DIFF V2's conversion: the converted SmolLM2's logits equal the source's to float32 rounding on held-out text."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from diff_llama.corpus import HELD_OUT_MODULES, stdlib_docstrings
+    from diff_llama.smollm2 import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    out = tmp_path / "v2"
+    report = convert_llama_to_diff_llama(str(gguf), str(out), ConversionOptions(diff_version=2), progress=False)
+    assert report.num_attention_heads == 18 and report.num_key_value_heads == 3
+    assert abs(report.quality["converted_perplexity"] / report.quality["source_perplexity"] - 1) < 5e-4
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    ids = tokenizer(stdlib_docstrings(HELD_OUT_MODULES), return_tensors="pt").input_ids[:, :1024].view(2, 512)
+    source = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        difference = (converted(ids).logits - source(ids).logits).abs().max().item()
+    assert difference <= 1e-3, difference

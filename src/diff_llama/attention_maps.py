@@ -9,33 +9,36 @@ from .plotting import pyplot, save_png
 
 @torch.no_grad()
 def attention_maps(model, tokenizer, text: str, layer: int):
-    """Softmax maps (H, q, k), λ and the differential maps (H/2, q, k) of one layer for `text`, plus the tokens."""
-    from .modeling_diff_llama import differential_attention_maps
-
+    """One layer's maps for `text`: A1 and A2 of every differential head (each (H/2, q, k)), λ (version 1: a scalar;
+    DIFF V2: (q, H/2), per token and head), the differential maps (H/2, q, k), and the tokens."""
     if not 0 <= layer < model.config.num_hidden_layers:
         raise ValueError(f"--layer must be between 0 and {model.config.num_hidden_layers - 1}, got {layer}.")
     model.set_attn_implementation("eager")  # only eager attention returns the softmax maps
     inputs = tokenizer(text, return_tensors="pt")
-    out = model(**inputs, output_attentions=True)
-    maps = out.attentions[layer][0].float()
-    lam = model.get_lambdas()[layer].float()
+    out = model(**inputs, output_attentions=True, output_hidden_states=True)
+    first, second = model.model.layers[layer].self_attn.pair_maps(out.attentions[layer].float())
+    lam = model.differential_lambdas(out)[layer].float()
     tokens = tokenizer.convert_ids_to_tokens(inputs["input_ids"][0])
-    return maps, lam, differential_attention_maps(maps[None], lam)[0], tokens
+    return first[0], second[0], (lam if lam.dim() == 0 else lam[0]), model.differential_maps(out)[layer][0], tokens
 
 
-def plot_head(maps, lam, differential, tokens, head: int, layer: int, output: str | Path, source_maps=None):
+def plot_head(first, second, lam, differential, tokens, head: int, layer: int, output: str | Path, source_maps=None):
     """Write a PNG: A1, A2, A1 − λA2 of differential head `head` (and the source LLaMA's heads if given)."""
     plt = pyplot()
 
-    half = maps.shape[0] // 2
+    half = first.shape[0]
     if not 0 <= head < half:
         raise ValueError(f"--head must be between 0 and {half - 1} (this model has {half} differential heads).")
     panels = [
-        (maps[head], f"A1 (map {head})", "viridis", 0.0, 1.0),
-        (maps[head + half], f"A2 (map {head + half})", "viridis", 0.0, 1.0),
+        (first[head], f"A1 of differential head {head}", "viridis", 0.0, 1.0),
+        (second[head], f"A2 of differential head {head}", "viridis", 0.0, 1.0),
     ]
     limit = max(differential[head].abs().max().item(), 1e-6)
-    panels.append((differential[head], f"A1 − λ·A2 (λ = {lam.item():.3f})", "RdBu_r", -limit, limit))
+    if lam.dim() == 0:
+        lam_text = f"λ = {lam.item():.3f}"
+    else:  # DIFF V2: one λ per query token
+        lam_text = f"λ per token {lam[:, head].min().item():.2f}–{lam[:, head].max().item():.2f}"
+    panels.append((differential[head], f"A1 − λ·A2 ({lam_text})", "RdBu_r", -limit, limit))
     if source_maps is not None:
         panels.append((source_maps, "source LLaMA head", "viridis", 0.0, 1.0))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.4))

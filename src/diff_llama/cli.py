@@ -329,7 +329,7 @@ def _attention_map(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model)
     try:
-        maps, lam, differential, tokens = attention_maps(model, tokenizer, args.text, args.layer)
+        first, second, lam, differential, tokens = attention_maps(model, tokenizer, args.text, args.layer)
     except ValueError as error:
         print(f"diff-llama attention-map: error: {error}", file=sys.stderr)
         return 2
@@ -337,14 +337,14 @@ def _attention_map(args) -> int:
     if args.source:
         source = AutoModelForCausalLM.from_pretrained(args.source, attn_implementation="eager")
         source_maps = source(**tokenizer(args.text, return_tensors="pt"), output_attentions=True).attentions[args.layer][0]
-    heads = range(maps.shape[0] // 2) if args.head is None else [args.head]
+    heads = range(first.shape[0]) if args.head is None else [args.head]
     for head in heads:
-        # Both conversion layouts make LLaMA head i the first map of differential head i.
+        # Every conversion (both version-1 layouts and DIFF V2) makes LLaMA head i the first map of differential head i.
         source_head = None
         if source_maps is not None and head < source_maps.shape[0]:
             source_head = source_maps[head].detach().float()
         try:
-            path = plot_head(maps, lam, differential, tokens, head, args.layer,
+            path = plot_head(first, second, lam, differential, tokens, head, args.layer,
                              Path(args.output) / f"layer{args.layer}-head{head}.png", source_head)
         except ValueError as error:
             print(f"diff-llama attention-map: error: {error}", file=sys.stderr)

@@ -352,11 +352,16 @@ class DiffLlamaAttention(nn.Module):
 
 
     @staticmethod
-    def combine_maps(maps: torch.Tensor, lambdas: torch.Tensor) -> torch.Tensor:
+    def pair_maps(maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax maps (batch, H, q, k) -> (A1, A2) of every differential head i: maps i and i + H/2."""
+        return maps.chunk(2, dim=1)
+
+    @classmethod
+    def combine_maps(cls, maps: torch.Tensor, lambdas: torch.Tensor) -> torch.Tensor:
         """Softmax maps (batch, H, q, k) and this layer's λ (a scalar) -> differential maps A_i − λ·A_{i+H/2},
         (batch, H/2, q, k), in float32 or wider."""
         dtype = torch.promote_types(maps.dtype, torch.float32)
-        first, second = maps.to(dtype).chunk(2, dim=1)
+        first, second = cls.pair_maps(maps.to(dtype))
         return first - torch.as_tensor(lambdas, dtype=dtype, device=maps.device) * second
 
 
@@ -434,14 +439,17 @@ class DiffLlamaV2Attention(nn.Module):
         return attn_output, attn_weights
 
     @staticmethod
-    def combine_maps(maps: torch.Tensor, lambdas: torch.Tensor) -> torch.Tensor:
+    def pair_maps(maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax maps (batch, H, q, k) -> (A1, A2) of every differential head i: maps 2i and 2i + 1."""
+        return maps[:, 0::2], maps[:, 1::2]
+
+    @classmethod
+    def combine_maps(cls, maps: torch.Tensor, lambdas: torch.Tensor) -> torch.Tensor:
         """Softmax maps (batch, H, q, k) and this layer's λ (batch, q, h) -> per-token differential maps
         A_{2i}[t] − λ_{t,i}·A_{2i+1}[t], (batch, h, q, k), in float32 or wider."""
         dtype = torch.promote_types(maps.dtype, torch.float32)
-        batch, heads, queries, keys = maps.shape
-        pairs = maps.to(dtype).view(batch, heads // 2, 2, queries, keys)
-        lambdas = lambdas.to(dtype).transpose(1, 2)[..., None]  # (batch, h, q, 1)
-        return pairs[:, :, 0] - lambdas * pairs[:, :, 1]
+        first, second = cls.pair_maps(maps.to(dtype))
+        return first - lambdas.to(dtype).transpose(1, 2)[..., None] * second  # λ as (batch, h, q, 1)
 
 
 # The attention variant is chosen once, from `config.diff_version`.

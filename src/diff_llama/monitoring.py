@@ -6,7 +6,6 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from .modeling_diff_llama import differential_attention_maps
 from .plotting import pyplot, save_png
 
 
@@ -23,9 +22,10 @@ def differential_attention_stats(model, probe_ids: torch.Tensor) -> dict:
     model.eval()
     model.set_attn_implementation("eager")  # only eager returns the softmax maps
     try:
-        out = model(probe_ids.to(model.device), output_attentions=True)
-        lambdas = model.get_lambdas()
-        maps = differential_attention_maps(out.attentions, lambdas)
+        out = model(probe_ids.to(model.device), output_attentions=True, output_hidden_states=True)
+        maps = model.differential_maps(out)
+        # version 1: λ per layer; DIFF V2: λ per token and head, summarised by its mean over the probe
+        lambdas = torch.stack([lam.float().mean() for lam in model.differential_lambdas(out)])
     finally:
         model.set_attn_implementation(previous)
         model.train(was_training)
@@ -68,7 +68,7 @@ class DifferentialAttentionCallback(TrainerCallback):
         return callback
 
     def on_log(self, args, state, control, model=None, logs=None, **kwargs):
-        if model is None or logs is None or not hasattr(model, "get_lambdas"):
+        if model is None or logs is None or not hasattr(model, "differential_maps"):
             return
         stats = differential_attention_stats(model, self.probe_ids)
         logs.update(stats)

@@ -223,6 +223,9 @@ def recover(model_path: str, output_dir: str, *, source: str | None = None, data
     set_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     student = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if getattr(student.config, "diff_version", 1) == 2:
+        raise ValueError(f"{model_path} is a DIFF V2 conversion, which already computes its source exactly: "
+                         "distillation has nothing to recover (its gradient is zero). Fine-tune it with `diff-llama train`.")
     teacher = load_teacher(source)
     if teacher.config.vocab_size != student.config.vocab_size:
         raise ValueError(f"source vocabulary ({teacher.config.vocab_size}) differs from the model's "

@@ -99,7 +99,10 @@ def optimizer_for(model, learning_rate: float, lambda_learning_rate: float = 1e-
     lambdas, others = [], []
     for name, param in model.named_parameters():
         if param.requires_grad and id(param) not in taken:
-            (lambdas if f"{LAMBDA_MODULE}." in name else others).append(param)
+            # version 1's λ vectors (4 per layer, in an exp) take their own rate; DIFF V2's λ projection is an
+            # ordinary linear layer and trains at the base rate (its dot products span the whole hidden size)
+            is_lambda_vector = f"{LAMBDA_MODULE}." in name and "lambda_proj" not in name
+            (lambdas if is_lambda_vector else others).append(param)
     groups = [{"params": others, "lr": learning_rate, "weight_decay": weight_decay},
               {"params": lambdas, "lr": lambda_learning_rate, "weight_decay": 0.0}, *extra_groups]
     return torch.optim.AdamW([g for g in groups if g["params"]])
