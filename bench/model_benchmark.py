@@ -55,7 +55,7 @@ def build(name: str, dtype: torch.dtype):
     elif name == "diff-llama v2":
         from diff_llama import DiffLlamaConfig, DiffLlamaForCausalLM
 
-        model = DiffLlamaForCausalLM(DiffLlamaConfig(**SHAPE, **TWICE_THE_QUERY_HEADS, diff_version=2))
+        model = DiffLlamaForCausalLM(DiffLlamaConfig(**{**SHAPE, **TWICE_THE_QUERY_HEADS}, diff_version=2))
     else:
         from transformers import DiffLlamaConfig, DiffLlamaForCausalLM
 

@@ -47,3 +47,13 @@ def test_export_refuses_odd_kv_heads(tmp_path):
     with pytest.raises(ValueError, match="num_key_value_heads"):
         export_to_builtin(tiny_model(num_attention_heads=6, num_key_value_heads=3), tmp_path)
     assert not any(tmp_path.iterdir())
+
+
+def test_diff_v2_is_refused_in_one_line():
+    import pytest
+
+    from conftest import tiny_config
+    from diff_llama.builtin_interop import to_builtin_config
+
+    with pytest.raises(ValueError, match="version 1 only"):
+        to_builtin_config(tiny_config(diff_version=2))

@@ -27,6 +27,11 @@ def load_builtin_checkpoint(path: str | os.PathLike, **from_pretrained_kwargs) -
 
 def to_builtin_config(config: DiffLlamaConfig) -> "transformers.DiffLlamaConfig":
     """The built-in config for the same model; refuses what the built-in model cannot compute."""
+    if config.diff_version != 1:
+        raise ValueError(
+            "transformers' built-in DiffLlama implements version 1 only; this is a DIFF V2 model (diff_version=2). "
+            "Keep it in diff-llama (which loads anywhere via trust_remote_code=True)."
+        )
     if config.num_key_value_heads % 2:
         raise ValueError(
             f"transformers' built-in DiffLlama needs an even `num_key_value_heads`, this model has "
