@@ -1,6 +1,5 @@
 """The LLaMA -> DiffLlama converter on real (small, random) LLaMA checkpoints written by transformers."""
 
-import hashlib
 import json
 import os
 import signal
@@ -12,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
+from conftest import FAST, folder_checksum, make_llama
 from diff_llama import DiffLlamaForCausalLM
 from diff_llama.cli import main
 from diff_llama.conversion.converter import ConversionOptions, convert_llama_to_diff_llama, diff_config_for
@@ -27,34 +27,6 @@ from diff_llama.conversion.head_layout import (
 )
 from diff_llama.evaluation import perplexity
 from diff_llama.modeling_diff_llama import DiffLlamaAttention, lambda_init_fn
-
-FAST = dict(calibration_tokens=2048, eval_tokens=1024, seq_len=128)
-
-
-def make_llama(folder: Path, tokenizer, dtype=torch.float32, max_shard_size=None, seed=0, **overrides) -> Path:
-    values = dict(
-        vocab_size=len(tokenizer), hidden_size=72, intermediate_size=144, num_hidden_layers=3,
-        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=512, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
-    values.update(overrides)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**values)).to(dtype)
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(folder, **kwargs)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def folder_checksum(folder: Path) -> str:
-    digest = hashlib.sha256()
-    for file in sorted(folder.rglob("*")):
-        if file.is_file():
-            digest.update(file.name.encode())
-            digest.update(file.read_bytes())
-            digest.update(str(file.stat().st_mtime_ns).encode())
-    return digest.hexdigest()
-
 
 # ---- the head layout, checked against LLaMA's own attention ---------------------------------------------------
 
@@ -116,11 +88,6 @@ def test_zero_lambda_is_zero_and_not_a_saddle():
 
 
 # ---- whole conversions ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def llama_dir(tmp_path, tokenizer):
-    return make_llama(tmp_path / "llama", tokenizer)
 
 
 def test_default_conversion_keeps_llama_quality_and_report_is_true(tmp_path, llama_dir, tokenizer):

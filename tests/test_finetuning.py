@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import SAMPLE_TEXT, tiny_model
+from conftest import SAMPLE_TEXT, make_llama, tiny_model
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
@@ -138,8 +138,6 @@ def test_lambda_floor_penalty_is_zero_only_above_the_floor():
 
 @pytest.mark.parametrize("lora,budget", [(False, ["--max-steps", "3"]), (True, ["--minutes", "0.03"])])
 def test_recover_command_distils_from_the_source(tmp_path, tokenizer, lora, budget):
-    from test_converter import FAST, make_llama
-
     source = make_llama(tmp_path / "llama", tokenizer)
     converted = tmp_path / "diff"
     assert main(["convert", str(source), str(converted), "--calibration-tokens", "1024", "--eval-tokens", "1024"]) == 0
@@ -159,7 +157,6 @@ def test_recover_command_distils_from_the_source(tmp_path, tokenizer, lora, budg
     recovered = AutoModelForCausalLM.from_pretrained(out)
     torch.testing.assert_close(recovered.get_lambdas(), torch.tensor(report["lambdas"]))
     assert "after recovery" in (out / "README.md").read_text()
-    del FAST
 
 
 def test_recover_on_text_the_source_generates(tmp_path, tokenizer):

@@ -4,7 +4,7 @@
 import json
 
 import pytest
-from conftest import tiny_model
+from conftest import make_llama, tiny_model
 from fake_hub import FakeHub
 from huggingface_hub import ModelCard
 
@@ -14,8 +14,6 @@ from diff_llama.publishing import check_publishable, files_to_upload, push
 
 @pytest.fixture
 def converted(tmp_path, tokenizer):
-    from test_converter import make_llama
-
     source = make_llama(tmp_path / "llama", tokenizer)
     out = tmp_path / "diff"
     assert main(["convert", str(source), str(out), "--calibration-tokens", "1024", "--eval-tokens", "1024"]) == 0
