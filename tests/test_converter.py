@@ -142,7 +142,7 @@ def test_sharded_bf16_input_and_sharded_output(tmp_path, tokenizer, tie):
                      tie_word_embeddings=tie, num_attention_heads=4, num_key_value_heads=2, head_dim=12)
     assert (src / "model.safetensors.index.json").exists()
     out = tmp_path / "diff"
-    options = ConversionOptions(head_layout="split", max_shard_bytes=150_000, **FAST)
+    options = ConversionOptions(head_layout="split", max_shard_size=150_000, **FAST)
     report = convert_llama_to_diff_llama(str(src), str(out), options, progress=False)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))

@@ -80,4 +80,15 @@ def test_push_command_dry_run_and_errors(tmp_path, converted, capsys, online):
     with pytest.raises(ValueError, match="remote code"):
         check_publishable(plain)
     assert main(["push", str(tmp_path / "missing"), "alice/x"]) == 2
-    assert "config.json" in capsys.readouterr().err
+    assert "no such folder" in capsys.readouterr().err
+
+
+def test_push_names_the_cause_and_the_fix_for_an_adapter(tmp_path, capsys):
+    from peft import get_peft_model
+
+    from diff_llama.training import lora_config
+
+    get_peft_model(tiny_model(), lora_config()).save_pretrained(tmp_path / "adapter")
+    assert main(["push", str(tmp_path / "adapter"), "alice/x", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "is a LoRA adapter" in err and "--merge" in err

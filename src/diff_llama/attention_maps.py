@@ -1,4 +1,5 @@
-"""Pictures of differential attention: A1, A2 and A1 − λ·A2 of one head, side by side (PNG)."""
+"""Pictures of differential attention: A1, A2 and A1 − λ·A2 of one head, side by side (PNG). A plain LLaMA (or any
+causal LM without λ) gets its softmax maps, one head per picture, for comparison."""
 
 from pathlib import Path
 
@@ -9,7 +10,8 @@ from .plotting import pyplot, save_png
 
 @torch.no_grad()
 def attention_maps(model, tokenizer, text: str, layer: int):
-    """Softmax maps (H, q, k), λ and the differential maps (H/2, q, k) of one layer for `text`, plus the tokens."""
+    """Softmax maps (H, q, k), λ and the differential maps (H/2, q, k) of one layer for `text`, plus the tokens.
+    For a model without differential attention (no `get_lambdas`), λ and the differential maps are None."""
     from .modeling_diff_llama import differential_attention_maps
 
     if not 0 <= layer < model.config.num_hidden_layers:
@@ -18,27 +20,36 @@ def attention_maps(model, tokenizer, text: str, layer: int):
     inputs = tokenizer(text, return_tensors="pt")
     out = model(**inputs, output_attentions=True)
     maps = out.attentions[layer][0].float()
-    lam = model.get_lambdas()[layer].float()
     tokens = tokenizer.convert_ids_to_tokens(inputs["input_ids"][0])
+    if not hasattr(model, "get_lambdas"):
+        return maps, None, None, tokens
+    lam = model.get_lambdas()[layer].float()
     return maps, lam, differential_attention_maps(maps[None], lam)[0], tokens
 
 
 def plot_head(maps, lam, differential, tokens, head: int, layer: int, output: str | Path, source_maps=None):
-    """Write a PNG: A1, A2, A1 − λA2 of differential head `head` (and the source LLaMA's heads if given)."""
+    """Write a PNG: A1, A2, A1 − λA2 of differential head `head` (and the source LLaMA's heads if given); for a
+    model without differential attention (`differential` None), the softmax map of head `head`."""
     plt = pyplot()
 
-    half = maps.shape[0] // 2
-    if not 0 <= head < half:
-        raise ValueError(f"--head must be between 0 and {half - 1} (this model has {half} differential heads).")
-    panels = [
-        (maps[head], f"A1 (map {head})", "viridis", 0.0, 1.0),
-        (maps[head + half], f"A2 (map {head + half})", "viridis", 0.0, 1.0),
-    ]
-    limit = max(differential[head].abs().max().item(), 1e-6)
-    panels.append((differential[head], f"A1 − λ·A2 (λ = {lam.item():.3f})", "RdBu_r", -limit, limit))
+    if differential is None:
+        if not 0 <= head < maps.shape[0]:
+            raise ValueError(f"--head must be between 0 and {maps.shape[0] - 1} (this model has {maps.shape[0]} heads).")
+        panels = [(maps[head], f"softmax map (head {head})", "viridis", 0.0, 1.0)]
+    else:
+        half = maps.shape[0] // 2
+        if not 0 <= head < half:
+            raise ValueError(f"--head must be between 0 and {half - 1} (this model has {half} differential heads).")
+        limit = max(differential[head].abs().max().item(), 1e-6)
+        panels = [
+            (maps[head], f"A1 (map {head})", "viridis", 0.0, 1.0),
+            (maps[head + half], f"A2 (map {head + half})", "viridis", 0.0, 1.0),
+            (differential[head], f"A1 − λ·A2 (λ = {lam.item():.3f})", "RdBu_r", -limit, limit),
+        ]
     if source_maps is not None:
         panels.append((source_maps, "source LLaMA head", "viridis", 0.0, 1.0))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.4))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.4), squeeze=False)
+    axes = axes[0]
     labels = [t.replace("Ġ", "·").replace("Ċ", "\\n") for t in tokens]
     for ax, (data, title, cmap, vmin, vmax) in zip(axes, panels):
         image = ax.imshow(data.numpy(), cmap=cmap, vmin=vmin, vmax=vmax)
@@ -49,5 +60,5 @@ def plot_head(maps, lam, differential, tokens, head: int, layer: int, output: st
         ax.set_xlabel("key")
         ax.set_ylabel("query")
         fig.colorbar(image, ax=ax, fraction=0.046)
-    fig.suptitle(f"layer {layer}, differential head {head}")
+    fig.suptitle(f"layer {layer}, {'differential ' if differential is not None else ''}head {head}")
     return save_png(fig, output, dpi=130)

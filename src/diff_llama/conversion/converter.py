@@ -6,9 +6,11 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from tqdm.auto import tqdm
+from transformers.utils.hub import convert_file_size_to_int
 
 from .. import configuration_diff_llama, modeling_diff_llama
 from ..configuration_diff_llama import DiffLlamaConfig
@@ -41,21 +43,36 @@ OUTPUT_LAYER_TENSORS = LAYER_TENSORS + tuple(f"self_attn.{name}" for name in LAM
 
 @dataclass
 class ConversionOptions:
-    """How to convert. The defaults give the most faithful model; see `diff-llama convert --help`."""
+    """How to convert; every field is also a `diff-llama convert` option (`--head-layout`, ...). The defaults give the
+    most faithful model."""
 
-    head_layout: str = "expand"  # "expand": every LLaMA head gets its own differential head; "split": same width
-    pad_odd_heads: bool = True  # "split" with odd H: add a KV group of zero heads (otherwise refuse)
-    lambda_start: str = "zero"  # "zero": λ = 0 with non-zero gradient; "paper": N(0, lambda_std_dev) vectors
-    calibration: str = "lstsq"  # "lstsq", "scale" or "none"
-    calibration_text: str | None = None  # a file; None: the built-in text (standard-library docstrings)
-    calibration_tokens: int = 8192
-    head_norm_headroom: float = 0.1
-    evaluate: bool = True
-    eval_text: str | None = None  # a file; None: built-in held-out text
-    eval_tokens: int = 2048
-    seq_len: int = 512
-    max_shard_bytes: int = 2 * 1024**3
-    seed: int = 0
+    head_layout: Literal["expand", "split"] = field(default="expand", metadata={"help": (
+        "expand: each LLaMA head gets its own differential head (2x attention width, keeps the LLaMA's quality); "
+        "split: same width, LLaMA head i + H/2 becomes the second map of head i (loses more)")})
+    pad_odd_heads: bool = field(default=True, metadata={"help": (
+        "with --head-layout split and an odd head count, add a KV group of zero heads (--no-pad-odd-heads refuses "
+        "instead)")})
+    lambda_start: Literal["zero", "paper"] = field(default="zero", metadata={"help": (
+        "zero: λ = 0 with a non-zero gradient; paper: λ vectors drawn from N(0, lambda_std_dev)")})
+    calibration: Literal["lstsq", "scale", "none"] = field(default="lstsq", metadata={"help": (
+        "lstsq: refit each layer's o_proj by least squares; scale: per-head scale only; none: no text needed")})
+    calibration_text: str | None = field(default=None, metadata={"help": (
+        "calibration text file (default: built-in English text, Python standard-library docstrings)")})
+    calibration_tokens: int = field(default=8192, metadata={"help": "tokens of calibration text to use"})
+    head_norm_headroom: float = field(default=0.1, metadata={"help": (
+        "scale values so each head's RMSNorm sees mean square = this x rms_norm_eps, where it is nearly linear "
+        "(0 disables; larger is closer to the paper's regime, less faithful)")})
+    evaluate: bool = field(default=True, metadata={"help": (
+        "measure held-out perplexity and KL of source and converted model (--no-evaluate skips it)")})
+    eval_text: str | None = field(default=None, metadata={"help": "held-out text file (default: built-in)"})
+    eval_tokens: int = field(default=2048, metadata={"help": "tokens of held-out text to score"})
+    seq_len: int = field(default=512, metadata={"help": "sequence length of calibration and evaluation windows"})
+    max_shard_size: str = field(default="2GB", metadata={"help": (
+        "largest safetensors shard, e.g. 500MB or 5GB, as in save_pretrained (Python callers may give bytes)")})
+    seed: int = field(default=0, metadata={"help": "seed of the λ vectors"})
+    diff_version: int = field(default=1, metadata={"choices": [1, 2], "help": (
+        "differential attention of the converted model: 1 = the paper's (default), 2 = DIFF V2 (Microsoft, 2026) "
+        "with an exact conversion")})
 
 
 @dataclass
@@ -230,7 +247,7 @@ def convert_llama_to_diff_llama(
     if (calibrating or options.evaluate) and tokenizer is None:
         raise ConversionError(
             f"{src.description} has no tokenizer, which calibration and evaluation need; add the tokenizer files or "
-            "pass --calibration none --no-eval."
+            "pass --calibration none --no-evaluate."
         )
     runner = None  # without calibration and evaluation nothing runs the model: pure streaming
     if calibrating or options.evaluate:
@@ -254,7 +271,8 @@ def convert_llama_to_diff_llama(
     total_bytes = sum(src.tensor_bytes(n) for n in names)
     layer_diagnostics = []
     with target as folder:
-        writer = StreamingSafetensorsWriter(folder, write_plan(diff_config, out_dtype), options.max_shard_bytes)
+        max_shard_bytes = convert_file_size_to_int(options.max_shard_size)
+        writer = StreamingSafetensorsWriter(folder, write_plan(diff_config, out_dtype), max_shard_bytes)
         bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="converting", disable=not progress)
 
         def progress(name):

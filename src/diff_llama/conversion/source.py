@@ -204,19 +204,18 @@ def _check_llama(model_type, architectures, where: str):
 
 
 def open_source(source: str | os.PathLike, revision: str | None = None) -> LlamaSource:
-    """Open a local folder, a local `.gguf` file, or (anything else) a Hub repository id."""
-    path = Path(source)
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise ConversionError(f"{path} does not exist.")
-        return _open_gguf(path)
-    if path.is_dir():
-        return SafetensorsSource(path)
-    if path.exists():
-        raise ConversionError(f"{path} is neither a folder nor a .gguf file.")
-    if str(source).startswith((".", "/", "~")) or str(source).count("/") != 1:
-        raise ConversionError(f"{source} does not exist (and is not a Hub repository id of the form owner/name).")
-    return _open_hub(str(source), revision)
+    """Open a local folder, a local `.gguf` file, `smollm2`, or a Hub repository id (see `resolve_model`)."""
+    from ..resolve import ModelNotFoundError, resolve_model
+
+    try:
+        location = resolve_model(source)
+    except ModelNotFoundError as error:
+        raise ConversionError(str(error)) from None
+    if location.gguf_file:
+        return _open_gguf(Path(location.name_or_path) / location.gguf_file)
+    if location.is_local:
+        return SafetensorsSource(Path(location.name_or_path))
+    return _open_hub(location.name_or_path, revision)
 
 
 def _open_gguf(path: Path) -> LlamaSource:
