@@ -112,6 +112,15 @@ def test_train_command_lora_merge_and_bad_data(tmp_path, saved_model, capsys):
     assert main(["train", str(saved_model), "--data", str(text), "--output", str(out), "--lora", "--merge",
                  "--max-steps", "2", "--block-size", "32", "--no-monitor"]) == 0
     assert not (out / "adapter_config.json").exists() and (out / "model.safetensors").exists()
+    base, merged = load_file(saved_model / "model.safetensors"), load_file(out / "model.safetensors")
+    assert base.keys() == merged.keys()  # a plain model again, λ under the built-in names
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(base[name], merged[name])  # the trained LoRA update is in the weights
+    # Fewer steps than --logging-steps (10): the last step is still logged and plotted.
+    history = json.loads((out / "training_log.json").read_text())
+    assert [e["step"] for e in history if "loss" in e] == [2]
+    assert (out / "training_loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (out / "differential_attention.png").exists()  # --no-monitor
     assert main(["train", str(saved_model), "--data", str(tmp_path / "nope"), "--output", str(tmp_path / "x")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
@@ -136,8 +145,9 @@ def test_lambda_floor_penalty_is_zero_only_above_the_floor():
     torch.testing.assert_close(lambda_floor_penalty(model, 0.9), expected)
 
 
-@pytest.mark.parametrize("lora,budget", [(False, ["--max-steps", "3"]), (True, ["--minutes", "0.03"])])
-def test_recover_command_distils_from_the_source(tmp_path, tokenizer, lora, budget):
+@pytest.mark.parametrize("lora,budget", [(False, ["--max-steps", "3", "--save-steps", "2"]),
+                                         (True, ["--minutes", "0.03"])])
+def test_recover_command_distils_from_the_source(tmp_path, tokenizer, lora, budget, capsys):
     source = make_llama(tmp_path / "llama", tokenizer)
     converted = tmp_path / "diff"
     assert main(["convert", str(source), str(converted), "--calibration-tokens", "1024", "--eval-tokens", "1024"]) == 0
@@ -150,6 +160,11 @@ def test_recover_command_distils_from_the_source(tmp_path, tokenizer, lora, budg
     assert report["curve"][0]["step"] == 0 and report["curve"][-1]["step"] == report["steps"] >= 1
     if budget[0] == "--max-steps":
         assert report["steps"] == 3
+        # Like train, recover does not silently start over on top of a run's checkpoints.
+        capsys.readouterr()
+        assert list(out.glob("checkpoint-*"))
+        assert main(args) == 2
+        assert "already holds training checkpoints" in capsys.readouterr().err
     else:  # stopped by the time budget, measured in training time
         assert report["curve"][-1]["train_minutes"] >= 0.03
     assert report["curve"][0]["mean_abs_lambda"] < 1e-5 < report["final_mean_abs_lambda"]  # λ left 0

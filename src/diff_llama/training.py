@@ -116,7 +116,7 @@ def plot_training_loss(log_history: list[dict], output: str | Path) -> Path:
         raise ValueError("the log history has no training loss yet.")
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([e["step"] for e in entries], [e["loss"] for e in entries], marker=".")
+    ax.plot([e["step"] for e in entries], [e["loss"] for e in entries], marker="o")  # one point must show too
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.grid(alpha=0.3)
