@@ -92,3 +92,23 @@ def test_push_names_the_cause_and_the_fix_for_an_adapter(tmp_path, capsys):
     assert main(["push", str(tmp_path / "adapter"), "alice/x", "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "is a LoRA adapter" in err and "--merge" in err
+
+
+@pytest.mark.parametrize("minutes,lambdas,says", [
+    (0.4, [0.004, 0.01, 0.0], ["3 steps, 24 s of training", "this run stopped before all layers got there",
+                               "lowest λ: 0.000"]),
+    (30.1, [0.12, 0.125, 0.1195], ["3 steps, 30 minutes of training", "all layers reached it"]),
+])
+def test_card_tells_the_truth_about_short_recovery_runs(converted, minutes, lambdas, says):
+    from diff_llama.model_card import build_model_card
+
+    quality = json.loads((converted / "conversion_report.json").read_text())["quality"]
+    recovery = {"steps": 3, "curve": [{"train_minutes": 0.0}, {"train_minutes": minutes}], "lambda_floor": 0.12,
+                "lambdas": lambdas, "final_mean_abs_lambda": sum(map(abs, lambdas)) / 3, "text": "some text",
+                "lora": False, "final_perplexity": 12.0, "source_perplexity": quality["source_perplexity"],
+                "ratio": 12.0 / quality["source_perplexity"]}
+    (converted / "recovery_report.json").write_text(json.dumps(recovery))
+    card = str(build_model_card(converted))
+    for sentence in says:
+        assert sentence in card
+    assert "CPU minutes" not in card and "λ held at" not in card
