@@ -300,3 +300,31 @@ def test_streaming_path_writes_the_same_tensors_as_the_in_memory_path(tmp_path, 
     assert fast.keys() == slow.keys()
     for name in fast:
         assert torch.equal(fast[name], slow[name]), name
+
+
+def test_converted_tokenizer_loads_as_a_plain_tokenizer_without_prompts(tmp_path, llama_dir, tokenizer):
+    """`save_pretrained` of a tokenizer loaded offline records `local_files_only` and `is_local`; they must not travel
+    with the model (a Hub copy could then never download). Without diff-llama, AutoTokenizer reads config.json first,
+    which needs the config's code: with trust_remote_code=True it loads without a prompt or a warning."""
+    config_file = llama_dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "local_files_only": True, "is_local": True}))
+    out = tmp_path / "diff"
+    convert_llama_to_diff_llama(str(llama_dir), str(out), ConversionOptions(calibration="none", evaluate=False),
+                                progress=False)
+    saved = json.loads((out / "tokenizer_config.json").read_text())
+    assert "local_files_only" not in saved and "is_local" not in saved
+
+    script = (
+        "import sys; sys.modules['diff_llama'] = None\n"
+        "from transformers import AutoTokenizer\n"
+        f"tokenizer = AutoTokenizer.from_pretrained({str(out)!r}, trust_remote_code=True)\n"
+        "print(type(tokenizer).__module__, tokenizer('The quick brown fox').input_ids)\n"
+    )
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                            stdin=subprocess.DEVNULL, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Do you wish" not in result.stdout + result.stderr and "model of type" not in result.stderr
+    module, ids = result.stdout.strip().split(" ", 1)
+    assert module.startswith("transformers.") and ids == str(tokenizer("The quick brown fox").input_ids)

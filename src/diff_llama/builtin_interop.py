@@ -66,4 +66,6 @@ def export_folder_to_builtin(source: str | os.PathLike, output_dir: str | os.Pat
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError):  # a checkpoint saved without its tokenizer: the weights are still useful
         return
-    tokenizer.save_pretrained(output_dir)
+    from .resolve import save_tokenizer
+
+    save_tokenizer(tokenizer, output_dir)

@@ -99,6 +99,30 @@ def load_causal_lm(name: str | os.PathLike, **kwargs):
     return _load(AutoModelForCausalLM, resolve_model(name), **kwargs)
 
 
+# How a tokenizer was loaded, which `save_pretrained` writes back into tokenizer_config.json (transformers 5.23) and
+# which would then apply wherever the folder goes: `local_files_only` would keep a Hub copy from ever downloading.
+_LOAD_TIME_KEYS = ("local_files_only", "is_local")
+
+
+def save_tokenizer(tokenizer, folder: str | os.PathLike) -> None:
+    """`tokenizer.save_pretrained(folder)`, without the load-time settings it would otherwise record."""
+    tokenizer.save_pretrained(folder)
+    clean_tokenizer_config(folder)
+
+
+def clean_tokenizer_config(folder: str | os.PathLike) -> None:
+    """Remove load-time settings from a saved tokenizer_config.json (see `save_tokenizer`)."""
+    import json
+
+    config_file = Path(folder) / "tokenizer_config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+        if any(key in config for key in _LOAD_TIME_KEYS):
+            for key in _LOAD_TIME_KEYS:
+                config.pop(key, None)
+            config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
 def _load(auto_class, location: ModelLocation, **kwargs):
     try:
         return auto_class.from_pretrained(location.name_or_path, **location.from_pretrained_kwargs(), **kwargs)

@@ -197,8 +197,10 @@ def save_trained(model, tokenizer, output_dir: str | Path, merge: bool):
     model that was saved."""
     if merge:
         model = model.merge_and_unload()
+    from .resolve import save_tokenizer
+
     model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
+    save_tokenizer(tokenizer, output_dir)
     return model
 
 

@@ -19,6 +19,7 @@ from ..modeling_diff_llama import lambda_init_fn
 from .calibration import CalibrationSettings, LayerwiseRunner
 from .errors import ConversionError
 from ..model_card import write_model_card
+from ..resolve import clean_tokenizer_config, save_tokenizer
 from .head_layout import (
     HeadLayout,
     convert_attention_weights,
@@ -410,8 +411,9 @@ def _copy_side_files(src: LlamaSource, folder: Path, tokenizer) -> None:
         for name in (*TOKENIZER_FILES, "generation_config.json"):
             if (src.folder / name).is_file():
                 shutil.copyfile(src.folder / name, folder / name)
+        clean_tokenizer_config(folder)
     elif tokenizer is not None:
-        tokenizer.save_pretrained(folder)
+        save_tokenizer(tokenizer, folder)
     if not (folder / "generation_config.json").exists():
         from transformers import GenerationConfig
 
