@@ -328,3 +328,29 @@ def test_converted_tokenizer_loads_as_a_plain_tokenizer_without_prompts(tmp_path
     assert "Do you wish" not in result.stdout + result.stderr and "model of type" not in result.stderr
     module, ids = result.stdout.strip().split(" ", 1)
     assert module.startswith("transformers.") and ids == str(tokenizer("The quick brown fox").input_ids)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_the_converters_schema_is_the_models_own(tie):
+    """The converter writes tensors from its own schema; it must be exactly what the two models' state dicts hold
+    (checkpoint names: λ vectors as `self_attn.lambda_q1`, ...)."""
+    from transformers import LlamaForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from diff_llama.conversion.converter import OUTPUT_LAYER_TENSORS, checkpoint_schema
+    from diff_llama.conversion.head_layout import expand_layout
+
+    config = LlamaConfig(vocab_size=64, hidden_size=36, intermediate_size=40, num_hidden_layers=2,
+                         num_attention_heads=3, num_key_value_heads=1, tie_word_embeddings=tie)
+    diff_config = diff_config_for(config, expand_layout(3, 1))
+    with torch.device("meta"):
+        llama, diff = LlamaForCausalLM(config), DiffLlamaForCausalLM(diff_config)
+
+    def stored(model):
+        state = revert_weight_conversion(model, model.state_dict())
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight")
+        return {name: tuple(tensor.shape) for name, tensor in state.items()}
+
+    assert checkpoint_schema(config) == stored(llama)
+    assert checkpoint_schema(diff_config, OUTPUT_LAYER_TENSORS) == stored(diff)

@@ -15,7 +15,7 @@ from transformers.utils.hub import convert_file_size_to_int
 from .. import configuration_diff_llama, modeling_diff_llama
 from ..configuration_diff_llama import DiffLlamaConfig
 from ..corpus import CALIBRATION_MODULES, HELD_OUT_MODULES, stdlib_docstrings
-from ..modeling_diff_llama import lambda_init_fn
+from ..modeling_diff_llama import LAMBDA_VECTOR_NAMES, lambda_init_fn
 from .calibration import CalibrationSettings, LayerwiseRunner
 from .errors import ConversionError
 from ..model_card import write_model_card
@@ -32,14 +32,48 @@ from .head_layout import (
 from .source import FLOAT_DTYPES, SAFETENSORS_DTYPES, TOKENIZER_FILES, LlamaSource, open_source
 from .writer import AtomicOutputFolder, StreamingSafetensorsWriter
 
+# The checkpoint's tensor schema, in one place: the tensors of one LLaMA decoder layer in the order the converter
+# writes them (shapes: `layer_shapes`), plus the λ vectors a converted layer adds. `checkpoint_schema` extends it to
+# the whole model; a test checks it against the models' own state dicts.
 LAYER_TENSORS = (
     "input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
     "mlp.down_proj.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
     "self_attn.o_proj.weight",
 )
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-LAMBDA_VECTORS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+LAMBDA_VECTORS = LAMBDA_VECTOR_NAMES
 OUTPUT_LAYER_TENSORS = LAYER_TENSORS + tuple(f"self_attn.{name}" for name in LAMBDA_VECTORS)  # in write order
+
+
+def layer_shapes(config) -> dict:
+    """Shape of every tensor of one decoder layer (LLaMA's, and the λ vectors of a DiffLlama's)."""
+    hidden, head_dim, intermediate = config.hidden_size, config.head_dim, config.intermediate_size
+    q_rows, kv_rows = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    return {
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+        "mlp.gate_proj.weight": (intermediate, hidden),
+        "mlp.up_proj.weight": (intermediate, hidden),
+        "mlp.down_proj.weight": (hidden, intermediate),
+        "self_attn.q_proj.weight": (q_rows, hidden),
+        "self_attn.k_proj.weight": (kv_rows, hidden),
+        "self_attn.v_proj.weight": (kv_rows, hidden),
+        "self_attn.o_proj.weight": (hidden, q_rows),
+        **{f"self_attn.{name}": (head_dim,) for name in LAMBDA_VECTORS},
+    }
+
+
+def checkpoint_schema(config, layer_tensors=LAYER_TENSORS) -> dict:
+    """name -> shape of every tensor of a checkpoint, in write order: the LLaMA's with `LAYER_TENSORS`, the converted
+    model's with `OUTPUT_LAYER_TENSORS`. Tied embeddings store no lm_head."""
+    shapes = layer_shapes(config)
+    schema = {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size)}
+    for layer in range(config.num_hidden_layers):
+        schema.update({f"model.layers.{layer}.{name}": shapes[name] for name in layer_tensors})
+    schema["model.norm.weight"] = (config.hidden_size,)
+    if not config.tie_word_embeddings:
+        schema["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    return schema
 
 
 @dataclass
@@ -141,22 +175,6 @@ def diff_config_for(source_config, layout: HeadLayout) -> DiffLlamaConfig:
     return config
 
 
-def _expected_shapes(config) -> dict:
-    hidden, head_dim = config.hidden_size, config.head_dim
-    q_rows, kv_rows = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    return {
-        "input_layernorm.weight": (hidden,),
-        "post_attention_layernorm.weight": (hidden,),
-        "mlp.gate_proj.weight": (config.intermediate_size, hidden),
-        "mlp.up_proj.weight": (config.intermediate_size, hidden),
-        "mlp.down_proj.weight": (hidden, config.intermediate_size),
-        "self_attn.q_proj.weight": (q_rows, hidden),
-        "self_attn.k_proj.weight": (kv_rows, hidden),
-        "self_attn.v_proj.weight": (kv_rows, hidden),
-        "self_attn.o_proj.weight": (hidden, q_rows),
-    }
-
-
 def check_source(source: LlamaSource) -> list[str]:
     """Every tensor the conversion needs exists with the shape the config implies; returns the plan (names)."""
     config = source.config
@@ -164,13 +182,7 @@ def check_source(source: LlamaSource) -> list[str]:
         raise ConversionError("LLaMA checkpoints with attention or MLP biases are not supported yet.")
     if config.num_attention_heads % config.num_key_value_heads:
         raise ConversionError("the LLaMA's num_attention_heads is not a multiple of num_key_value_heads.")
-    expected = {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
-                "model.norm.weight": (config.hidden_size,)}
-    if not config.tie_word_embeddings:
-        expected["lm_head.weight"] = (config.vocab_size, config.hidden_size)
-    for layer in range(config.num_hidden_layers):
-        for name, shape in _expected_shapes(config).items():
-            expected[f"model.layers.{layer}.{name}"] = shape
+    expected = checkpoint_schema(config)
     names = set(source.tensor_names())
     missing = sorted(set(expected) - names)
     if missing:
@@ -269,15 +281,13 @@ def convert_llama_to_diff_llama(
         )
     settings = CalibrationSettings(method=options.calibration, head_norm_headroom=options.head_norm_headroom)
 
-    total_bytes = sum(src.tensor_bytes(n) for n in names)
     layer_diagnostics = []
     with target as folder:
         max_shard_bytes = convert_file_size_to_int(options.max_shard_size)
         writer = StreamingSafetensorsWriter(folder, write_plan(diff_config, out_dtype), max_shard_bytes)
-        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="converting", disable=not progress)
-
-        def progress(name):
-            bar.update(src.tensor_bytes(name))
+        # Layers are the unit of work (calibration takes seconds per layer, streaming milliseconds): count them, ETA.
+        bar = tqdm(total=config.num_hidden_layers, unit="layer", disable=not progress,
+                   desc="converting and calibrating" if calibrating else "converting")
 
         def copy_tensor(name, keep=True):
             """Copy a tensor unchanged; as raw bytes when it need not be decoded (the fast path)."""
@@ -289,14 +299,14 @@ def convert_llama_to_diff_llama(
             else:
                 tensor = src.get(name)
                 writer.add(name, tensor.to(out_dtype))
-            progress(name)
             return tensor
 
         copy_tensor("model.embed_tokens.weight", keep=False)
         for layer in range(config.num_hidden_layers):
             prefix = f"model.layers.{layer}."
             if runner is None:  # nothing runs the model: stream, copying stored bytes wherever possible
-                _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype, copy_tensor, progress)
+                _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype, copy_tensor)
+                bar.update(1)
                 continue
             attention = {name: src.get(prefix + name) for name in LAYER_TENSORS if name.startswith("self_attn.")}
             new_attention = convert_attention_weights(
@@ -319,7 +329,7 @@ def convert_llama_to_diff_llama(
 
             for name in OUTPUT_LAYER_TENSORS:
                 writer.add(prefix + name, converted[name].to(out_dtype))
-            bar.update(sum(t.numel() * t.element_size() for t in source_tensors.values()))
+            bar.update(1)
 
         evaluate = options.evaluate
         norm = copy_tensor("model.norm.weight", keep=evaluate)
@@ -353,7 +363,7 @@ def convert_llama_to_diff_llama(
     return report
 
 
-def _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype, copy_tensor, progress) -> None:
+def _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype, copy_tensor) -> None:
     """Write one converted layer without running it: q/k/v are row-block gathers of the stored tensors (kernel
     copies), o_proj is permuted in memory, everything else is copied unchanged."""
     head_dim, hidden = diff_config.head_dim, diff_config.hidden_size
@@ -365,7 +375,6 @@ def _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_
             writer.add(full, lambdas[name.removeprefix("self_attn.")].to(out_dtype))
         elif name == "self_attn.o_proj.weight":
             writer.add(full, permute_o_proj(o_proj, layout, head_dim).to(out_dtype))
-            progress(full)
         elif name.startswith("self_attn."):
             sources = layout.query_sources if name.startswith("self_attn.q_proj") else layout.kv_sources
             shape, dtype = src.tensor_info(full)
@@ -377,22 +386,13 @@ def _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_
                                       sources)
             else:
                 writer.add(full, gather_head_rows(src.get(full), sources, head_dim).to(out_dtype))
-            progress(full)
         else:
             copy_tensor(full, keep=False)
 
 
 def write_plan(config: DiffLlamaConfig, dtype: torch.dtype) -> list:
     """Every output tensor (name, shape, dtype) in the order the converter writes them."""
-    hidden, head_dim = config.hidden_size, config.head_dim
-    plan = [("model.embed_tokens.weight", (config.vocab_size, hidden), dtype)]
-    layer_shapes = {**_expected_shapes(config), **{f"self_attn.{name}": (head_dim,) for name in LAMBDA_VECTORS}}
-    for layer in range(config.num_hidden_layers):
-        plan += [(f"model.layers.{layer}.{name}", layer_shapes[name], dtype) for name in OUTPUT_LAYER_TENSORS]
-    plan.append(("model.norm.weight", (hidden,), dtype))
-    if not config.tie_word_embeddings:
-        plan.append(("lm_head.weight", (config.vocab_size, hidden), dtype))
-    return plan
+    return [(name, shape, dtype) for name, shape in checkpoint_schema(config, OUTPUT_LAYER_TENSORS).items()]
 
 
 def _lambda_vectors(layer: int, config: DiffLlamaConfig, options: ConversionOptions) -> dict:

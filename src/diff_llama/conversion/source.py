@@ -2,7 +2,6 @@
 a `.gguf` file (through transformers' GGUF loader), or a Hub repository id (through huggingface_hub)."""
 
 import json
-import math
 import os
 import struct
 from pathlib import Path
@@ -13,11 +12,10 @@ from transformers import LlamaConfig
 from .errors import ConversionError
 
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM"}
+# The one dtype table: torch dtype <-> safetensors name, for reading and for writing.
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
 FLOAT_DTYPES = set(SAFETENSORS_DTYPES.values())
 TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
-DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-               "F8_E4M3": 1, "F8_E5M2": 1}
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "chat_template.jinja",
     "added_tokens.json",
@@ -45,10 +43,6 @@ class LlamaSource:
     def location(self, name: str) -> tuple[Path, int, int] | None:
         """Where a tensor's bytes lie on disk, if they do (then they can be copied without decoding)."""
         return None
-
-    def tensor_bytes(self, name: str) -> int:
-        shape, dtype = self.tensor_info(name)
-        return math.prod(shape) * DTYPE_SIZES[dtype]
 
 
 class SafetensorsSource(LlamaSource):
