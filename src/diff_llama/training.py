@@ -3,6 +3,7 @@
 The recipe in Python (what `diff-llama train` runs):
 
 ```python
+import peft
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 from diff_llama.training import TokenBlocks, lora_config, optimizer_for
 
