@@ -271,17 +271,28 @@ def test_quantized_dtype_is_refused(tmp_path, llama_dir):
     _expect_error(tmp_path, llama_dir, "I8")
 
 
-def test_paper_lambda_start_and_user_calibration_text(tmp_path, llama_dir):
+def test_paper_lambda_start_and_user_calibration_text(tmp_path, llama_dir, tokenizer):
     text = tmp_path / "calibration.txt"
     text.write_text("Attention is all you need, said the transformer to the recurrent network. " * 200)
     out = tmp_path / "diff"
     options = ConversionOptions(lambda_start="paper", calibration_text=str(text), **FAST)
     report = convert_llama_to_diff_llama(str(llama_dir), str(out), options, progress=False)
-    lambdas = DiffLlamaForCausalLM.from_pretrained(out).get_lambdas()
+    model = DiffLlamaForCausalLM.from_pretrained(out)
+    # The paper's start: each layer's four vectors drawn from N(0, lambda_std_dev) with the seed + layer.
+    for layer, decoder_layer in enumerate(model.model.layers):
+        generator = torch.Generator().manual_seed(layer)  # options.seed is 0
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            expected = torch.randn(model.config.head_dim, generator=generator) * model.config.lambda_std_dev
+            torch.testing.assert_close(getattr(decoder_layer.self_attn.differential_lambda, name), expected)
     init = torch.tensor([lambda_init_fn(layer) for layer in range(3)])
-    assert (lambdas - init).abs().max() < 0.2 and (lambdas - init).abs().max() > 0  # N(0, 0.1) vectors: λ ≈ λ_init
+    assert (model.get_lambdas() - init).abs().max() < 0.2  # exp(q1·k1) − exp(q2·k2) ≈ 0 for small vectors
     assert json.loads((out / "conversion_report.json").read_text())["options"]["calibration_text"] == str(text)
-    assert report.quality["converted_perplexity"] > 0
+    # The reported quality is that of the saved model (here far from the source: the paper's λ is not 0).
+    from diff_llama.corpus import HELD_OUT_MODULES, stdlib_docstrings
+
+    ids = tokenizer(stdlib_docstrings(HELD_OUT_MODULES), return_tensors="pt", add_special_tokens=False).input_ids[0]
+    measured = perplexity(model, ids[: 8 * 128 + 1], window=128)
+    assert measured == pytest.approx(report.quality["converted_perplexity"], rel=1e-4)
 
 
 @pytest.mark.parametrize("layout", ["expand", "split"])

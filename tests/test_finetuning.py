@@ -182,7 +182,11 @@ def test_recover_on_text_the_source_generates(tmp_path, tokenizer):
                                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                            bos_token_id=1, eos_token_id=2, pad_token_id=0))
     text = teacher_generated_text(teacher, tokenizer, num_tokens=64, length=16, batch_size=2)
-    assert len(tokenizer(text).input_ids) >= 32
+    # 64 tokens = 2 rounds of 2 samples of 16 tokens each, seeded: the same text again, four samples of it.
+    assert text == teacher_generated_text(teacher, tokenizer, num_tokens=64, length=16, batch_size=2)
+    samples = text.split("\n\n")
+    assert len(samples) == 4 and len(set(samples)) == 4
+    assert 8 <= len(tokenizer(samples[0], add_special_tokens=False).input_ids) <= 32  # 16 tokens, re-tokenized
 
 
 DDP_SCRIPT = textwrap.dedent("""
