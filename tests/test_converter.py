@@ -365,3 +365,10 @@ def test_the_converters_schema_is_the_models_own(tie):
 
     assert checkpoint_schema(config) == stored(llama)
     assert checkpoint_schema(diff_config, OUTPUT_LAYER_TENSORS) == stored(diff)
+
+
+def test_progress_counts_layers_with_an_eta(tmp_path, llama_dir, capsys):
+    convert_llama_to_diff_llama(str(llama_dir), str(tmp_path / "diff"), ConversionOptions(**FAST))
+    err = capsys.readouterr().err
+    assert "converting and calibrating" in err and "3/3" in err and "layer" in err  # tqdm prints the ETA with it
+    assert "B/s" not in err  # not a byte counter, which crawls during calibration
