@@ -226,7 +226,7 @@ def test_existing_output_is_refused_unless_overwrite(tmp_path, llama_dir):
 def test_cli_reports_errors_in_one_line(tmp_path, llama_dir, capsys):
     assert main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "does not exist" in err
+    assert err.count("\n") == 0 and err.endswith("nowhere: no such folder (and not a Hub repository id of the form owner/name).")
 
 
 def test_killed_conversion_leaves_no_output(tmp_path, tokenizer):
