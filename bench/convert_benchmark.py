@@ -61,7 +61,7 @@ CONVERT = (
     "import json, os, shutil, sys, time; from diff_llama.conversion.converter import ConversionOptions, "
     "convert_llama_to_diff_llama; "
     "options = ConversionOptions(**json.loads(sys.argv[3]), calibration='none', evaluate=False, "
-    "max_shard_bytes=500 * 10**6); "
+    "max_shard_size=500 * 10**6); "
     "convert_llama_to_diff_llama(sys.argv[4], sys.argv[2] + '-warmup', options, progress=False); "
     "shutil.rmtree(sys.argv[2] + '-warmup'); os.sync(); "
     "t = time.perf_counter(); convert_llama_to_diff_llama(sys.argv[1], sys.argv[2], options, progress=False); "

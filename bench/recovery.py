@@ -48,11 +48,11 @@ def main():
     if args.report:
         report_path = Path(args.report)
     else:
-        from diff_llama.recovery import recover
+        from diff_llama.recovery import RecoveryOptions, recover
 
         if not CONVERTED.exists():
             raise SystemExit(f"{CONVERTED} is missing: run `bash scripts/run_main_job.sh` first.")
-        recover(str(CONVERTED), str(RECOVERED), max_minutes=args.minutes, threads=args.threads)
+        recover(str(CONVERTED), RecoveryOptions(output=str(RECOVERED), minutes=args.minutes, threads=args.threads))
         report_path = RECOVERED / "recovery_report.json"
     print(write_results(json.loads(report_path.read_text()), report_path.parent / "recovery_curve.png"))
 

@@ -1,4 +1,6 @@
+import hashlib
 import os
+from pathlib import Path
 
 # Tests never touch the network: the Hub is unreachable here, and a test that needs it is a defect.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -64,3 +66,40 @@ def tokenizer(tmp_path_factory):
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     assert tok.pad_token_id == 0 and tok.bos_token_id == 1 and tok.eos_token_id == 2
     return tok
+
+
+# Conversion options that keep calibration and evaluation short on the tiny checkpoints below.
+FAST = dict(calibration_tokens=2048, eval_tokens=1024, seq_len=128)
+
+
+def make_llama(folder: Path, tokenizer, dtype=torch.float32, max_shard_size=None, seed=0, **overrides) -> Path:
+    """A small random LLaMA (odd H = 9 over G = 3 by default) saved by transformers, with the tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    values = dict(
+        vocab_size=len(tokenizer), hidden_size=72, intermediate_size=144, num_hidden_layers=3,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=512, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    values.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**values)).to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def llama_dir(tmp_path, tokenizer):
+    return make_llama(tmp_path / "llama", tokenizer)
+
+
+def folder_checksum(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for file in sorted(folder.rglob("*")):
+        if file.is_file():
+            digest.update(file.name.encode())
+            digest.update(file.read_bytes())
+            digest.update(str(file.stat().st_mtime_ns).encode())
+    return digest.hexdigest()

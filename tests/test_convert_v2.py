@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from diff_llama import DiffLlamaForCausalLM
 from diff_llama.cli import main
 from diff_llama.conversion.converter import ConversionOptions, convert_llama_to_diff_llama
-from test_converter import make_llama
+from conftest import make_llama
 
 FAST = dict(eval_tokens=1024, seq_len=128)
 
@@ -115,8 +115,8 @@ def test_fine_tunes_like_its_source_and_recover_refuses(tmp_path, tokenizer):
     1.05x of the source's held-out perplexity after the same steps)."""
     from conftest import SAMPLE_TEXT
     from diff_llama.evaluation import perplexity
-    from diff_llama.recovery import recover
-    from diff_llama.training import train
+    from diff_llama.recovery import RecoveryOptions, recover
+    from diff_llama.training import FineTuneOptions, train
 
     source = make_llama(tmp_path / "llama", tokenizer)
     convert_llama_to_diff_llama(str(source), str(tmp_path / "v2"), ConversionOptions(diff_version=2, evaluate=False),
@@ -127,12 +127,13 @@ def test_fine_tunes_like_its_source_and_recover_refuses(tmp_path, tokenizer):
     for lora in (False, True):
         results = {}
         for name in ("llama", "v2"):
-            output = train(str(tmp_path / name), str(data), str(tmp_path / f"{name}-{lora}"), lora=lora, merge=True,
-                           max_steps=6, batch_size=4, block_size=32, learning_rate=1e-3, logging_steps=2,
-                           monitor=False)
+            output = train(str(tmp_path / name), FineTuneOptions(
+                data=str(data), output=str(tmp_path / f"{name}-{lora}"), lora=lora, merge=True, max_steps=6,
+                batch_size=4, block_size=32, learning_rate=1e-3, logging_steps=2, monitor=False))
             results[name] = perplexity(AutoModelForCausalLM.from_pretrained(output), held_out, window=64)
         before = perplexity(AutoModelForCausalLM.from_pretrained(source), held_out, window=64)
         assert results["llama"] < 0.9 * before  # the training moved the source
         assert results["v2"] <= 1.05 * results["llama"], (lora, before, results)
     with pytest.raises(ValueError, match="DIFF V2"):
-        recover(str(tmp_path / "v2"), str(tmp_path / "recovered"), source=str(source), max_steps=1)
+        recover(str(tmp_path / "v2"), RecoveryOptions(output=str(tmp_path / "recovered"), source=str(source),
+                                                      max_steps=1))

@@ -1,20 +1,19 @@
 """The LLaMA -> DiffLlama converter on real (small, random) LLaMA checkpoints written by transformers."""
 
-import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
+from conftest import FAST, folder_checksum, make_llama
 from diff_llama import DiffLlamaForCausalLM
 from diff_llama.cli import main
 from diff_llama.conversion.converter import ConversionOptions, convert_llama_to_diff_llama, diff_config_for
@@ -27,34 +26,6 @@ from diff_llama.conversion.head_layout import (
 )
 from diff_llama.evaluation import perplexity
 from diff_llama.modeling_diff_llama import DiffLlamaAttention, lambda_init_fn
-
-FAST = dict(calibration_tokens=2048, eval_tokens=1024, seq_len=128)
-
-
-def make_llama(folder: Path, tokenizer, dtype=torch.float32, max_shard_size=None, seed=0, **overrides) -> Path:
-    values = dict(
-        vocab_size=len(tokenizer), hidden_size=72, intermediate_size=144, num_hidden_layers=3,
-        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=512, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
-    values.update(overrides)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**values)).to(dtype)
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(folder, **kwargs)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def folder_checksum(folder: Path) -> str:
-    digest = hashlib.sha256()
-    for file in sorted(folder.rglob("*")):
-        if file.is_file():
-            digest.update(file.name.encode())
-            digest.update(file.read_bytes())
-            digest.update(str(file.stat().st_mtime_ns).encode())
-    return digest.hexdigest()
-
 
 # ---- the head layout, checked against LLaMA's own attention ---------------------------------------------------
 
@@ -118,11 +89,6 @@ def test_zero_lambda_is_zero_and_not_a_saddle():
 # ---- whole conversions ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def llama_dir(tmp_path, tokenizer):
-    return make_llama(tmp_path / "llama", tokenizer)
-
-
 def test_default_conversion_keeps_llama_quality_and_report_is_true(tmp_path, llama_dir, tokenizer):
     before = folder_checksum(llama_dir)
     out = tmp_path / "diff"
@@ -175,7 +141,7 @@ def test_sharded_bf16_input_and_sharded_output(tmp_path, tokenizer, tie):
                      tie_word_embeddings=tie, num_attention_heads=4, num_key_value_heads=2, head_dim=12)
     assert (src / "model.safetensors.index.json").exists()
     out = tmp_path / "diff"
-    options = ConversionOptions(head_layout="split", max_shard_bytes=150_000, **FAST)
+    options = ConversionOptions(head_layout="split", max_shard_size=150_000, **FAST)
     report = convert_llama_to_diff_llama(str(src), str(out), options, progress=False)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -259,7 +225,7 @@ def test_existing_output_is_refused_unless_overwrite(tmp_path, llama_dir):
 def test_cli_reports_errors_in_one_line(tmp_path, llama_dir, capsys):
     assert main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "does not exist" in err
+    assert err.count("\n") == 0 and err.endswith("nowhere: no such folder (and not a Hub repository id of the form owner/name).")
 
 
 def test_killed_conversion_leaves_no_output(tmp_path, tokenizer):
@@ -304,17 +270,28 @@ def test_quantized_dtype_is_refused(tmp_path, llama_dir):
     _expect_error(tmp_path, llama_dir, "I8")
 
 
-def test_paper_lambda_start_and_user_calibration_text(tmp_path, llama_dir):
+def test_paper_lambda_start_and_user_calibration_text(tmp_path, llama_dir, tokenizer):
     text = tmp_path / "calibration.txt"
     text.write_text("Attention is all you need, said the transformer to the recurrent network. " * 200)
     out = tmp_path / "diff"
     options = ConversionOptions(lambda_start="paper", calibration_text=str(text), **FAST)
     report = convert_llama_to_diff_llama(str(llama_dir), str(out), options, progress=False)
-    lambdas = DiffLlamaForCausalLM.from_pretrained(out).get_lambdas()
+    model = DiffLlamaForCausalLM.from_pretrained(out)
+    # The paper's start: each layer's four vectors drawn from N(0, lambda_std_dev) with the seed + layer.
+    for layer, decoder_layer in enumerate(model.model.layers):
+        generator = torch.Generator().manual_seed(layer)  # options.seed is 0
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            expected = torch.randn(model.config.head_dim, generator=generator) * model.config.lambda_std_dev
+            torch.testing.assert_close(getattr(decoder_layer.self_attn.differential_lambda, name), expected)
     init = torch.tensor([lambda_init_fn(layer) for layer in range(3)])
-    assert (lambdas - init).abs().max() < 0.2 and (lambdas - init).abs().max() > 0  # N(0, 0.1) vectors: λ ≈ λ_init
+    assert (model.get_lambdas() - init).abs().max() < 0.2  # exp(q1·k1) − exp(q2·k2) ≈ 0 for small vectors
     assert json.loads((out / "conversion_report.json").read_text())["options"]["calibration_text"] == str(text)
-    assert report.quality["converted_perplexity"] > 0
+    # The reported quality is that of the saved model (here far from the source: the paper's λ is not 0).
+    from diff_llama.corpus import HELD_OUT_MODULES, stdlib_docstrings
+
+    ids = tokenizer(stdlib_docstrings(HELD_OUT_MODULES), return_tensors="pt", add_special_tokens=False).input_ids[0]
+    measured = perplexity(model, ids[: 8 * 128 + 1], window=128)
+    assert measured == pytest.approx(report.quality["converted_perplexity"], rel=1e-4)
 
 
 @pytest.mark.parametrize("layout", ["expand", "split"])
@@ -333,3 +310,64 @@ def test_streaming_path_writes_the_same_tensors_as_the_in_memory_path(tmp_path, 
     assert fast.keys() == slow.keys()
     for name in fast:
         assert torch.equal(fast[name], slow[name]), name
+
+
+def test_converted_tokenizer_loads_as_a_plain_tokenizer_without_prompts(tmp_path, llama_dir, tokenizer):
+    """`save_pretrained` of a tokenizer loaded offline records `local_files_only` and `is_local`; they must not travel
+    with the model (a Hub copy could then never download). Without diff-llama, AutoTokenizer reads config.json first,
+    which needs the config's code: with trust_remote_code=True it loads without a prompt or a warning."""
+    config_file = llama_dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "local_files_only": True, "is_local": True}))
+    out = tmp_path / "diff"
+    convert_llama_to_diff_llama(str(llama_dir), str(out), ConversionOptions(calibration="none", evaluate=False),
+                                progress=False)
+    saved = json.loads((out / "tokenizer_config.json").read_text())
+    assert "local_files_only" not in saved and "is_local" not in saved
+
+    script = (
+        "import sys; sys.modules['diff_llama'] = None\n"
+        "from transformers import AutoTokenizer\n"
+        f"tokenizer = AutoTokenizer.from_pretrained({str(out)!r}, trust_remote_code=True)\n"
+        "print(type(tokenizer).__module__, tokenizer('The quick brown fox').input_ids)\n"
+    )
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                            stdin=subprocess.DEVNULL, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Do you wish" not in result.stdout + result.stderr and "model of type" not in result.stderr
+    module, ids = result.stdout.strip().split(" ", 1)
+    assert module.startswith("transformers.") and ids == str(tokenizer("The quick brown fox").input_ids)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_the_converters_schema_is_the_models_own(tie):
+    """The converter writes tensors from its own schema; it must be exactly what the two models' state dicts hold
+    (checkpoint names: λ vectors as `self_attn.lambda_q1`, ...)."""
+    from transformers import LlamaForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from diff_llama.conversion.converter import OUTPUT_LAYER_TENSORS, checkpoint_schema
+    from diff_llama.conversion.head_layout import expand_layout
+
+    config = LlamaConfig(vocab_size=64, hidden_size=36, intermediate_size=40, num_hidden_layers=2,
+                         num_attention_heads=3, num_key_value_heads=1, tie_word_embeddings=tie)
+    diff_config = diff_config_for(config, expand_layout(3, 1))
+    with torch.device("meta"):
+        llama, diff = LlamaForCausalLM(config), DiffLlamaForCausalLM(diff_config)
+
+    def stored(model):
+        state = revert_weight_conversion(model, model.state_dict())
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight")
+        return {name: tuple(tensor.shape) for name, tensor in state.items()}
+
+    assert checkpoint_schema(config) == stored(llama)
+    assert checkpoint_schema(diff_config, OUTPUT_LAYER_TENSORS) == stored(diff)
+
+
+def test_progress_counts_layers_with_an_eta(tmp_path, llama_dir, capsys):
+    convert_llama_to_diff_llama(str(llama_dir), str(tmp_path / "diff"), ConversionOptions(**FAST))
+    err = capsys.readouterr().err
+    assert "converting and calibrating" in err and "3/3" in err and "layer" in err  # tqdm prints the ETA with it
+    assert "B/s" not in err  # not a byte counter, which crawls during calibration

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import SAMPLE_TEXT, tiny_model
+from conftest import SAMPLE_TEXT, make_llama, tiny_model
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
@@ -112,6 +112,15 @@ def test_train_command_lora_merge_and_bad_data(tmp_path, saved_model, capsys):
     assert main(["train", str(saved_model), "--data", str(text), "--output", str(out), "--lora", "--merge",
                  "--max-steps", "2", "--block-size", "32", "--no-monitor"]) == 0
     assert not (out / "adapter_config.json").exists() and (out / "model.safetensors").exists()
+    base, merged = load_file(saved_model / "model.safetensors"), load_file(out / "model.safetensors")
+    assert base.keys() == merged.keys()  # a plain model again, λ under the built-in names
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(base[name], merged[name])  # the trained LoRA update is in the weights
+    # Fewer steps than --logging-steps (10): the last step is still logged and plotted.
+    history = json.loads((out / "training_log.json").read_text())
+    assert [e["step"] for e in history if "loss" in e] == [2]
+    assert (out / "training_loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (out / "differential_attention.png").exists()  # --no-monitor
     assert main(["train", str(saved_model), "--data", str(tmp_path / "nope"), "--output", str(tmp_path / "x")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
@@ -136,10 +145,9 @@ def test_lambda_floor_penalty_is_zero_only_above_the_floor():
     torch.testing.assert_close(lambda_floor_penalty(model, 0.9), expected)
 
 
-@pytest.mark.parametrize("lora,budget", [(False, ["--max-steps", "3"]), (True, ["--minutes", "0.03"])])
-def test_recover_command_distils_from_the_source(tmp_path, tokenizer, lora, budget):
-    from test_converter import FAST, make_llama
-
+@pytest.mark.parametrize("lora,budget", [(False, ["--max-steps", "3", "--save-steps", "2"]),
+                                         (True, ["--minutes", "0.03"])])
+def test_recover_command_distils_from_the_source(tmp_path, tokenizer, lora, budget, capsys):
     source = make_llama(tmp_path / "llama", tokenizer)
     converted = tmp_path / "diff"
     assert main(["convert", str(source), str(converted), "--calibration-tokens", "1024", "--eval-tokens", "1024"]) == 0
@@ -152,6 +160,11 @@ def test_recover_command_distils_from_the_source(tmp_path, tokenizer, lora, budg
     assert report["curve"][0]["step"] == 0 and report["curve"][-1]["step"] == report["steps"] >= 1
     if budget[0] == "--max-steps":
         assert report["steps"] == 3
+        # Like train, recover does not silently start over on top of a run's checkpoints.
+        capsys.readouterr()
+        assert list(out.glob("checkpoint-*"))
+        assert main(args) == 2
+        assert "already holds training checkpoints" in capsys.readouterr().err
     else:  # stopped by the time budget, measured in training time
         assert report["curve"][-1]["train_minutes"] >= 0.03
     assert report["curve"][0]["mean_abs_lambda"] < 1e-5 < report["final_mean_abs_lambda"]  # λ left 0
@@ -159,7 +172,6 @@ def test_recover_command_distils_from_the_source(tmp_path, tokenizer, lora, budg
     recovered = AutoModelForCausalLM.from_pretrained(out)
     torch.testing.assert_close(recovered.get_lambdas(), torch.tensor(report["lambdas"]))
     assert "after recovery" in (out / "README.md").read_text()
-    del FAST
 
 
 def test_recover_on_text_the_source_generates(tmp_path, tokenizer):
@@ -170,7 +182,11 @@ def test_recover_on_text_the_source_generates(tmp_path, tokenizer):
                                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                            bos_token_id=1, eos_token_id=2, pad_token_id=0))
     text = teacher_generated_text(teacher, tokenizer, num_tokens=64, length=16, batch_size=2)
-    assert len(tokenizer(text).input_ids) >= 32
+    # 64 tokens = 2 rounds of 2 samples of 16 tokens each, seeded: the same text again, four samples of it.
+    assert text == teacher_generated_text(teacher, tokenizer, num_tokens=64, length=16, batch_size=2)
+    samples = text.split("\n\n")
+    assert len(samples) == 4 and len(set(samples)) == 4
+    assert 8 <= len(tokenizer(samples[0], add_special_tokens=False).input_ids) <= 32  # 16 tokens, re-tokenized
 
 
 DDP_SCRIPT = textwrap.dedent("""

@@ -78,3 +78,25 @@ def test_callback_logs_through_the_real_trainer(tmp_path, tokenizer):
     assert logged[0]["diff_attn/lambda/layer_1"] != logged[-1]["diff_attn/lambda/layer_1"]  # λ is being trained
     path = plot_differential_attention(trainer.state.log_history, tmp_path / "lambda.png")
     assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_console_gets_summaries_and_log_history_every_layer(tmp_path, tokenizer, capsys):
+    model = tiny_model(vocab_size=len(tokenizer), num_hidden_layers=4).train()
+    ids = tokenizer(SAMPLE_TEXT, return_tensors="pt").input_ids[0]
+    blocks = ids[: (len(ids) // 32) * 32].view(-1, 32)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"), max_steps=2, logging_steps=1, per_device_train_batch_size=2,
+        report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,  # disable_tqdm: logs are printed
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": b, "labels": b} for b in blocks])
+    DifferentialAttentionCallback.attach(trainer, blocks[0, :16])
+    capsys.readouterr()
+    trainer.train()
+    printed = [line for line in capsys.readouterr().out.splitlines() if "diff_attn" in line]
+    assert len(printed) >= 2  # every logging step (and the final summary)
+    assert all("diff_attn/mean_abs_lambda" in line and "diff_attn/min_lambda" in line for line in printed)
+    assert not any("layer_" in line for line in printed)  # 4 values x layers would flood every line
+    logged = [e for e in trainer.state.log_history if "diff_attn/mean_abs_lambda" in e]
+    assert len(logged) >= 2 and all(f"diff_attn/entropy/layer_{layer}" in logged[0] for layer in range(4))
+    lambdas = [logged[-1][f"diff_attn/lambda/layer_{layer}"] for layer in range(4)]
+    assert logged[-1]["diff_attn/min_lambda"] == pytest.approx(min(lambdas))

@@ -4,7 +4,7 @@
 import json
 
 import pytest
-from conftest import tiny_model
+from conftest import make_llama, tiny_model
 from fake_hub import FakeHub
 from huggingface_hub import ModelCard
 
@@ -14,8 +14,6 @@ from diff_llama.publishing import check_publishable, files_to_upload, push
 
 @pytest.fixture
 def converted(tmp_path, tokenizer):
-    from test_converter import make_llama
-
     source = make_llama(tmp_path / "llama", tokenizer)
     out = tmp_path / "diff"
     assert main(["convert", str(source), str(out), "--calibration-tokens", "1024", "--eval-tokens", "1024"]) == 0
@@ -82,4 +80,35 @@ def test_push_command_dry_run_and_errors(tmp_path, converted, capsys, online):
     with pytest.raises(ValueError, match="remote code"):
         check_publishable(plain)
     assert main(["push", str(tmp_path / "missing"), "alice/x"]) == 2
-    assert "config.json" in capsys.readouterr().err
+    assert "no such folder" in capsys.readouterr().err
+
+
+def test_push_names_the_cause_and_the_fix_for_an_adapter(tmp_path, capsys):
+    from peft import get_peft_model
+
+    from diff_llama.training import lora_config
+
+    get_peft_model(tiny_model(), lora_config()).save_pretrained(tmp_path / "adapter")
+    assert main(["push", str(tmp_path / "adapter"), "alice/x", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "is a LoRA adapter" in err and "--merge" in err
+
+
+@pytest.mark.parametrize("minutes,lambdas,says", [
+    (0.4, [0.004, 0.01, 0.0], ["3 steps, 24 s of training", "this run stopped before all layers got there",
+                               "lowest λ: 0.000"]),
+    (30.1, [0.12, 0.125, 0.1195], ["3 steps, 30 minutes of training", "all layers reached it"]),
+])
+def test_card_tells_the_truth_about_short_recovery_runs(converted, minutes, lambdas, says):
+    from diff_llama.model_card import build_model_card
+
+    quality = json.loads((converted / "conversion_report.json").read_text())["quality"]
+    recovery = {"steps": 3, "curve": [{"train_minutes": 0.0}, {"train_minutes": minutes}], "lambda_floor": 0.12,
+                "lambdas": lambdas, "final_mean_abs_lambda": sum(map(abs, lambdas)) / 3, "text": "some text",
+                "lora": False, "final_perplexity": 12.0, "source_perplexity": quality["source_perplexity"],
+                "ratio": 12.0 / quality["source_perplexity"]}
+    (converted / "recovery_report.json").write_text(json.dumps(recovery))
+    card = str(build_model_card(converted))
+    for sentence in says:
+        assert sentence in card
+    assert "CPU minutes" not in card and "λ held at" not in card

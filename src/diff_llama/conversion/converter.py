@@ -6,18 +6,21 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from tqdm.auto import tqdm
+from transformers.utils.hub import convert_file_size_to_int
 
 from .. import configuration_diff_llama, modeling_diff_llama
 from ..configuration_diff_llama import DiffLlamaConfig
 from ..corpus import CALIBRATION_MODULES, HELD_OUT_MODULES, stdlib_docstrings
-from ..modeling_diff_llama import lambda_init_fn
+from ..modeling_diff_llama import LAMBDA_VECTOR_NAMES, lambda_init_fn
 from .calibration import CalibrationSettings, LayerwiseRunner
 from .diff_v2 import LAMBDA_PROJ, convert_attention_weights_v2, double_o_proj, paired_query_sources, zero_lambda_proj
 from .errors import ConversionError
 from ..model_card import write_model_card
+from ..resolve import clean_tokenizer_config, save_tokenizer
 from .head_layout import (
     HeadLayout,
     convert_attention_weights,
@@ -30,35 +33,88 @@ from .head_layout import (
 from .source import FLOAT_DTYPES, SAFETENSORS_DTYPES, TOKENIZER_FILES, LlamaSource, open_source
 from .writer import AtomicOutputFolder, StreamingSafetensorsWriter
 
+# The checkpoint's tensor schema, in one place: the tensors of one LLaMA decoder layer in the order the converter
+# writes them (shapes: `layer_shapes`), plus the λ vectors a converted layer adds. `checkpoint_schema` extends it to
+# the whole model; a test checks it against the models' own state dicts.
 LAYER_TENSORS = (
     "input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
     "mlp.down_proj.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
     "self_attn.o_proj.weight",
 )
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-LAMBDA_VECTORS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+LAMBDA_VECTORS = LAMBDA_VECTOR_NAMES
 OUTPUT_LAYER_TENSORS = LAYER_TENSORS + tuple(f"self_attn.{name}" for name in LAMBDA_VECTORS)  # in write order
 OUTPUT_LAYER_TENSORS_V2 = LAYER_TENSORS + (LAMBDA_PROJ,)
 
 
+def layer_shapes(config) -> dict:
+    """Shape of every tensor of one decoder layer (LLaMA's, and the λ vectors or DIFF V2 λ projection of a DiffLlama's)."""
+    hidden, head_dim, intermediate = config.hidden_size, config.head_dim, config.intermediate_size
+    q_rows, kv_rows = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    shapes = {
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+        "mlp.gate_proj.weight": (intermediate, hidden),
+        "mlp.up_proj.weight": (intermediate, hidden),
+        "mlp.down_proj.weight": (hidden, intermediate),
+        "self_attn.q_proj.weight": (q_rows, hidden),
+        "self_attn.k_proj.weight": (kv_rows, hidden),
+        "self_attn.v_proj.weight": (kv_rows, hidden),
+        "self_attn.o_proj.weight": (hidden, q_rows),
+        **{f"self_attn.{name}": (head_dim,) for name in LAMBDA_VECTORS},
+    }
+    if getattr(config, "diff_version", 1) == 2:  # DIFF V2: o_proj reads the H/2 differential heads; a λ projection
+        differential_heads = config.num_attention_heads // 2
+        shapes.update({"self_attn.o_proj.weight": (hidden, differential_heads * head_dim),
+                       LAMBDA_PROJ: (differential_heads, hidden)})
+    return shapes
+
+
+def checkpoint_schema(config, layer_tensors=LAYER_TENSORS) -> dict:
+    """name -> shape of every tensor of a checkpoint, in write order: the LLaMA's with `LAYER_TENSORS`, the converted
+    model's with `OUTPUT_LAYER_TENSORS`. Tied embeddings store no lm_head."""
+    shapes = layer_shapes(config)
+    schema = {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size)}
+    for layer in range(config.num_hidden_layers):
+        schema.update({f"model.layers.{layer}.{name}": shapes[name] for name in layer_tensors})
+    schema["model.norm.weight"] = (config.hidden_size,)
+    if not config.tie_word_embeddings:
+        schema["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    return schema
+
+
 @dataclass
 class ConversionOptions:
-    """How to convert. The defaults give the most faithful model; see `diff-llama convert --help`."""
+    """How to convert; every field is also a `diff-llama convert` option (`--head-layout`, ...). The defaults give the
+    most faithful model."""
 
-    diff_version: int = 1  # 1: the paper's differential attention; 2: DIFF V2, converted exactly (no calibration)
-    head_layout: str = "expand"  # "expand": every LLaMA head gets its own differential head; "split": same width
-    pad_odd_heads: bool = True  # "split" with odd H: add a KV group of zero heads (otherwise refuse)
-    lambda_start: str = "zero"  # "zero": λ = 0 with non-zero gradient; "paper": N(0, lambda_std_dev) vectors
-    calibration: str = "lstsq"  # "lstsq", "scale" or "none"
-    calibration_text: str | None = None  # a file; None: the built-in text (standard-library docstrings)
-    calibration_tokens: int = 8192
-    head_norm_headroom: float = 0.1
-    evaluate: bool = True
-    eval_text: str | None = None  # a file; None: built-in held-out text
-    eval_tokens: int = 2048
-    seq_len: int = 512
-    max_shard_bytes: int = 2 * 1024**3
-    seed: int = 0
+    head_layout: Literal["expand", "split"] = field(default="expand", metadata={"help": (
+        "expand: each LLaMA head gets its own differential head (2x attention width, keeps the LLaMA's quality); "
+        "split: same width, LLaMA head i + H/2 becomes the second map of head i (loses more)")})
+    pad_odd_heads: bool = field(default=True, metadata={"help": (
+        "with --head-layout split and an odd head count, add a KV group of zero heads (--no-pad-odd-heads refuses "
+        "instead)")})
+    lambda_start: Literal["zero", "paper"] = field(default="zero", metadata={"help": (
+        "zero: λ = 0 with a non-zero gradient; paper: λ vectors drawn from N(0, lambda_std_dev)")})
+    calibration: Literal["lstsq", "scale", "none"] = field(default="lstsq", metadata={"help": (
+        "lstsq: refit each layer's o_proj by least squares; scale: per-head scale only; none: no text needed")})
+    calibration_text: str | None = field(default=None, metadata={"help": (
+        "calibration text file (default: built-in English text, Python standard-library docstrings)")})
+    calibration_tokens: int = field(default=8192, metadata={"help": "tokens of calibration text to use"})
+    head_norm_headroom: float = field(default=0.1, metadata={"help": (
+        "scale values so each head's RMSNorm sees mean square = this x rms_norm_eps, where it is nearly linear "
+        "(0 disables; larger is closer to the paper's regime, less faithful)")})
+    evaluate: bool = field(default=True, metadata={"help": (
+        "measure held-out perplexity and KL of source and converted model (--no-evaluate skips it)")})
+    eval_text: str | None = field(default=None, metadata={"help": "held-out text file (default: built-in)"})
+    eval_tokens: int = field(default=2048, metadata={"help": "tokens of held-out text to score"})
+    seq_len: int = field(default=512, metadata={"help": "sequence length of calibration and evaluation windows"})
+    max_shard_size: str = field(default="2GB", metadata={"help": (
+        "largest safetensors shard, e.g. 500MB or 5GB, as in save_pretrained (Python callers may give bytes)")})
+    seed: int = field(default=0, metadata={"help": "seed of the λ vectors"})
+    diff_version: int = field(default=1, metadata={"choices": [1, 2], "help": (
+        "differential attention of the converted model: 1 = the paper's (default), 2 = DIFF V2 (Microsoft, 2026) "
+        "with an exact conversion")})
 
 
 @dataclass
@@ -135,22 +191,6 @@ def diff_config_for(source_config, layout: HeadLayout | None) -> DiffLlamaConfig
     return config
 
 
-def _expected_shapes(config) -> dict:
-    hidden, head_dim = config.hidden_size, config.head_dim
-    q_rows, kv_rows = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    return {
-        "input_layernorm.weight": (hidden,),
-        "post_attention_layernorm.weight": (hidden,),
-        "mlp.gate_proj.weight": (config.intermediate_size, hidden),
-        "mlp.up_proj.weight": (config.intermediate_size, hidden),
-        "mlp.down_proj.weight": (hidden, config.intermediate_size),
-        "self_attn.q_proj.weight": (q_rows, hidden),
-        "self_attn.k_proj.weight": (kv_rows, hidden),
-        "self_attn.v_proj.weight": (kv_rows, hidden),
-        "self_attn.o_proj.weight": (hidden, q_rows),
-    }
-
-
 def check_source(source: LlamaSource) -> list[str]:
     """Every tensor the conversion needs exists with the shape the config implies; returns the plan (names)."""
     config = source.config
@@ -158,13 +198,7 @@ def check_source(source: LlamaSource) -> list[str]:
         raise ConversionError("LLaMA checkpoints with attention or MLP biases are not supported yet.")
     if config.num_attention_heads % config.num_key_value_heads:
         raise ConversionError("the LLaMA's num_attention_heads is not a multiple of num_key_value_heads.")
-    expected = {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
-                "model.norm.weight": (config.hidden_size,)}
-    if not config.tie_word_embeddings:
-        expected["lm_head.weight"] = (config.vocab_size, config.hidden_size)
-    for layer in range(config.num_hidden_layers):
-        for name, shape in _expected_shapes(config).items():
-            expected[f"model.layers.{layer}.{name}"] = shape
+    expected = checkpoint_schema(config)
     names = set(source.tensor_names())
     missing = sorted(set(expected) - names)
     if missing:
@@ -244,7 +278,7 @@ def convert_llama_to_diff_llama(
     if (calibrating or options.evaluate) and tokenizer is None:
         raise ConversionError(
             f"{src.description} has no tokenizer, which calibration and evaluation need; add the tokenizer files or "
-            "pass --calibration none --no-eval."
+            "pass --calibration none --no-evaluate."
         )
     runner = None  # without calibration and evaluation nothing runs the model: pure streaming
     if calibrating or options.evaluate:
@@ -265,15 +299,14 @@ def convert_llama_to_diff_llama(
         )
     settings = CalibrationSettings(method=options.calibration, head_norm_headroom=options.head_norm_headroom)
 
-    total_bytes = sum(src.tensor_bytes(n) for n in names)
     layer_diagnostics = []
     with target as folder:
-        writer = StreamingSafetensorsWriter(folder, write_plan(diff_config, out_dtype), options.max_shard_bytes)
+        max_shard_bytes = convert_file_size_to_int(options.max_shard_size)
+        writer = StreamingSafetensorsWriter(folder, write_plan(diff_config, out_dtype), max_shard_bytes)
         layer_tensors = OUTPUT_LAYER_TENSORS if layout is not None else OUTPUT_LAYER_TENSORS_V2
-        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="converting", disable=not progress)
-
-        def progress(name):
-            bar.update(src.tensor_bytes(name))
+        # Layers are the unit of work (calibration takes seconds per layer, streaming milliseconds): count them, ETA.
+        bar = tqdm(total=config.num_hidden_layers, unit="layer", disable=not progress,
+                   desc="converting and calibrating" if calibrating else "converting")
 
         def copy_tensor(name, keep=True):
             """Copy a tensor unchanged; as raw bytes when it need not be decoded (the fast path)."""
@@ -285,14 +318,14 @@ def convert_llama_to_diff_llama(
             else:
                 tensor = src.get(name)
                 writer.add(name, tensor.to(out_dtype))
-            progress(name)
             return tensor
 
         copy_tensor("model.embed_tokens.weight", keep=False)
         for layer in range(config.num_hidden_layers):
             prefix = f"model.layers.{layer}."
             if runner is None:  # nothing runs the model: stream, copying stored bytes wherever possible
-                _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype, copy_tensor, progress)
+                _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype, copy_tensor)
+                bar.update(1)
                 continue
             attention = {name: src.get(prefix + name) for name in LAYER_TENSORS if name.startswith("self_attn.")}
             projections = [attention[f"self_attn.{p}.weight"] for p in ATTENTION_PROJECTIONS]
@@ -318,7 +351,7 @@ def convert_llama_to_diff_llama(
 
             for name in layer_tensors:
                 writer.add(prefix + name, converted[name].to(out_dtype))
-            bar.update(sum(t.numel() * t.element_size() for t in source_tensors.values()))
+            bar.update(1)
 
         evaluate = options.evaluate
         norm = copy_tensor("model.norm.weight", keep=evaluate)
@@ -352,7 +385,7 @@ def convert_llama_to_diff_llama(
     return report
 
 
-def _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype, copy_tensor, progress) -> None:
+def _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype, copy_tensor) -> None:
     """Write one converted layer without running it: q/k/v are row-block gathers of the stored tensors (kernel
     copies), o_proj is permuted (version 1) or doubled (DIFF V2) in memory, everything else is copied unchanged.
     `layout` None: DIFF V2."""
@@ -373,7 +406,6 @@ def _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_
             writer.add(full, extra[name].to(out_dtype))
         elif name == "self_attn.o_proj.weight":
             writer.add(full, new_o_proj.to(out_dtype))
-            progress(full)
         elif name.startswith("self_attn."):
             sources = query_sources if name.startswith("self_attn.q_proj") else kv_sources
             shape, dtype = src.tensor_info(full)
@@ -385,30 +417,14 @@ def _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_
                                       sources)
             else:
                 writer.add(full, gather_head_rows(src.get(full), sources, head_dim).to(out_dtype))
-            progress(full)
         else:
             copy_tensor(full, keep=False)
 
 
 def write_plan(config: DiffLlamaConfig, dtype: torch.dtype) -> list:
     """Every output tensor (name, shape, dtype) in the order the converter writes them."""
-    hidden, head_dim = config.hidden_size, config.head_dim
-    plan = [("model.embed_tokens.weight", (config.vocab_size, hidden), dtype)]
-    layer_shapes = _expected_shapes(config)
-    if config.diff_version == 2:
-        names = OUTPUT_LAYER_TENSORS_V2
-        differential_heads = config.num_attention_heads // 2
-        layer_shapes.update({"self_attn.o_proj.weight": (hidden, differential_heads * head_dim),
-                             LAMBDA_PROJ: (differential_heads, hidden)})
-    else:
-        names = OUTPUT_LAYER_TENSORS
-        layer_shapes.update({f"self_attn.{name}": (head_dim,) for name in LAMBDA_VECTORS})
-    for layer in range(config.num_hidden_layers):
-        plan += [(f"model.layers.{layer}.{name}", layer_shapes[name], dtype) for name in names]
-    plan.append(("model.norm.weight", (hidden,), dtype))
-    if not config.tie_word_embeddings:
-        plan.append(("lm_head.weight", (config.vocab_size, hidden), dtype))
-    return plan
+    layer_tensors = OUTPUT_LAYER_TENSORS_V2 if config.diff_version == 2 else OUTPUT_LAYER_TENSORS
+    return [(name, shape, dtype) for name, shape in checkpoint_schema(config, layer_tensors).items()]
 
 
 def _lambda_vectors(layer: int, config: DiffLlamaConfig, options: ConversionOptions) -> dict:
@@ -427,8 +443,9 @@ def _copy_side_files(src: LlamaSource, folder: Path, tokenizer) -> None:
         for name in (*TOKENIZER_FILES, "generation_config.json"):
             if (src.folder / name).is_file():
                 shutil.copyfile(src.folder / name, folder / name)
+        clean_tokenizer_config(folder)
     elif tokenizer is not None:
-        tokenizer.save_pretrained(folder)
+        save_tokenizer(tokenizer, folder)
     if not (folder / "generation_config.json").exists():
         from transformers import GenerationConfig
 

