@@ -29,6 +29,11 @@ class DiffLlamaConfig(PreTrainedConfig):
     Args:
         lambda_std_dev (`float`, defaults to 0.1):
             Standard deviation of the normal initialisation of the four per-layer λ vectors.
+        head_norm_eps (`float` or `list[float]`, *optional*):
+            Epsilon of the per-head RMSNorm of differential attention: one value, or one per layer. `None` (the
+            default) uses `rms_norm_eps`, as the paper and transformers' built-in `diffllama` do. Converted LLaMAs set
+            it per layer, well above the heads' mean square, so that the norm starts nearly linear with the LLaMA's
+            weights at their own scale (see the converter).
         diff_version (`int`, defaults to 1):
             Differential attention variant. Only 1 (the paper's) exists; 2 is reserved for Microsoft's revision.
         attention_dropout (`float`, defaults to 0.0):
@@ -69,6 +74,7 @@ class DiffLlamaConfig(PreTrainedConfig):
         mlp_bias: bool = False,
         lambda_std_dev: float = 0.1,
         diff_version: int = 1,
+        head_norm_eps: float | list[float] | None = None,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -89,6 +95,7 @@ class DiffLlamaConfig(PreTrainedConfig):
         self.mlp_bias = mlp_bias
         self.lambda_std_dev = lambda_std_dev
         self.diff_version = diff_version
+        self.head_norm_eps = head_norm_eps
         self._validate_differential_layout()
         if self.head_dim is None:
             self.head_dim = hidden_size // num_attention_heads
@@ -100,6 +107,13 @@ class DiffLlamaConfig(PreTrainedConfig):
         # A built-in `diffllama` config.json names its own model_type; this class's is the one that applies.
         kwargs.pop("model_type", None)
         super().__init__(**kwargs)
+
+    def head_norm_epsilon(self, layer_idx: int) -> float:
+        """Epsilon of layer `layer_idx`'s per-head RMSNorm."""
+        eps = self.head_norm_eps
+        if eps is None:
+            return self.rms_norm_eps
+        return float(eps[layer_idx] if isinstance(eps, (list, tuple)) else eps)
 
     def _validate_differential_layout(self):
         """Refuse, at construction, every value the differential attention cannot run with."""
@@ -138,6 +152,16 @@ class DiffLlamaConfig(PreTrainedConfig):
                 f"DiffLlamaConfig: `attention_dropout` must be 0, got {self.attention_dropout}. The paper defines no "
                 f"dropout for the differential map A1 - λ·A2, and dropping A1 and A2 independently would change what "
                 f"is subtracted. Regularise with weight decay or dropout outside attention instead."
+            )
+        eps = self.head_norm_eps
+        values = eps if isinstance(eps, (list, tuple)) else [eps]
+        if eps is not None and (
+            (isinstance(eps, (list, tuple)) and len(eps) != self.num_hidden_layers)
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf") for v in values)
+        ):
+            raise ValueError(
+                f"DiffLlamaConfig: `head_norm_eps` must be None (use `rms_norm_eps`), a positive number, or a list of "
+                f"{self.num_hidden_layers} positive numbers (one per layer), got {eps!r}."
             )
         if self.diff_version != 1:
             raise ValueError(

@@ -14,7 +14,7 @@ from .. import configuration_diff_llama, modeling_diff_llama
 from ..configuration_diff_llama import DiffLlamaConfig
 from ..corpus import CALIBRATION_MODULES, HELD_OUT_MODULES, stdlib_docstrings
 from ..modeling_diff_llama import lambda_init_fn
-from .calibration import CalibrationSettings, LayerwiseRunner
+from .calibration import CalibrationSettings, LayerwiseRunner, fold_head_norm_gain, weight_only_head_norm_eps
 from .errors import ConversionError
 from ..model_card import write_model_card
 from .head_layout import (
@@ -253,6 +253,7 @@ def convert_llama_to_diff_llama(
 
     total_bytes = sum(src.tensor_bytes(n) for n in names)
     layer_diagnostics = []
+    head_norm_eps = []  # per layer, set by calibration
     with target as folder:
         writer = StreamingSafetensorsWriter(folder, write_plan(diff_config, out_dtype), options.max_shard_bytes)
         bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="converting", disable=not progress)
@@ -277,7 +278,8 @@ def convert_llama_to_diff_llama(
         for layer in range(config.num_hidden_layers):
             prefix = f"model.layers.{layer}."
             if runner is None:  # nothing runs the model: stream, copying stored bytes wherever possible
-                _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype, copy_tensor, progress)
+                head_norm_eps.append(_stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype,
+                                                   copy_tensor, progress) or config.rms_norm_eps)
                 continue
             attention = {name: src.get(prefix + name) for name in LAYER_TENSORS if name.startswith("self_attn.")}
             new_attention = convert_attention_weights(
@@ -287,15 +289,19 @@ def convert_llama_to_diff_llama(
             converted.update({f"self_attn.{n}": v for n, v in _lambda_vectors(layer, diff_config, options).items()})
             source_tensors = {**attention, **{n: src.get(prefix + n) for n in LAYER_TENSORS if n not in attention}}
             converted = {**source_tensors, **converted}
+            eps = None if calibrating else _weight_only_calibration(converted, layer, options)
             source_layer, converted_layer = runner.build_layers(layer, source_tensors, converted)
+            if not calibrating:
+                converted_layer.self_attn.head_norm.eps = eps if eps is not None else config.rms_norm_eps
+                head_norm_eps.append(converted_layer.self_attn.head_norm.eps)
             if calibrating:
                 diagnostics = runner.calibrate(source_layer, converted_layer, settings)
                 layer_diagnostics.append({"layer": layer, **diagnostics})
-                for p in ("v_proj", "o_proj"):
-                    fitted = getattr(converted_layer.self_attn, p).weight.detach()
-                    converted[f"self_attn.{p}.weight"] = fitted.to(out_dtype)
-                    # continue the streams with exactly the weights that are written
-                    getattr(converted_layer.self_attn, p).weight.data = converted[f"self_attn.{p}.weight"].float()
+                head_norm_eps.append(converted_layer.self_attn.head_norm.eps)
+                fitted = converted_layer.self_attn.o_proj.weight.detach()
+                converted["self_attn.o_proj.weight"] = fitted.to(out_dtype)
+                # continue the streams with exactly the weights that are written
+                converted_layer.self_attn.o_proj.weight.data = converted["self_attn.o_proj.weight"].float()
             runner.advance(source_layer, converted_layer)
 
             for name in OUTPUT_LAYER_TENSORS:
@@ -312,6 +318,8 @@ def convert_llama_to_diff_llama(
         bar.close()
         quality = runner.quality(norm, lm_head, config.rms_norm_eps) if options.evaluate else {}
 
+        if head_norm_eps and head_norm_eps != [config.rms_norm_eps] * len(head_norm_eps):
+            diff_config.head_norm_eps = head_norm_eps
         diff_config.save_pretrained(folder)
         for module in (configuration_diff_llama, modeling_diff_llama):  # remote code next to the weights
             shutil.copyfile(module.__file__, folder / Path(module.__file__).name)
@@ -334,18 +342,36 @@ def convert_llama_to_diff_llama(
     return report
 
 
-def _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype, copy_tensor, progress) -> None:
+def _weight_only_calibration(converted: dict, layer: int, options: ConversionOptions) -> float | None:
+    """Without calibration text: the head-norm epsilon estimated from the weights, its gain folded into o_proj (in
+    `converted`, in place). Returns the epsilon, None when `--head-norm-headroom 0` keeps rms_norm_eps."""
+    eps = weight_only_head_norm_eps(converted["self_attn.v_proj.weight"], converted["input_layernorm.weight"],
+                                    options.head_norm_headroom)
+    if eps is not None:
+        o_proj = converted["self_attn.o_proj.weight"]
+        converted["self_attn.o_proj.weight"] = fold_head_norm_gain(o_proj.float(), eps, lambda_init_fn(layer)).to(o_proj.dtype)
+    return eps
+
+
+def _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype, copy_tensor, progress):
     """Write one converted layer without running it: q/k/v are row-block gathers of the stored tensors (kernel
-    copies), o_proj is permuted in memory, everything else is copied unchanged."""
+    copies), o_proj is permuted (and scaled, see `_weight_only_calibration`) in memory, everything else is copied
+    unchanged. Returns the layer's head-norm epsilon (None: rms_norm_eps)."""
     head_dim, hidden = diff_config.head_dim, diff_config.hidden_size
-    o_proj = src.get(prefix + "self_attn.o_proj.weight")
+    attention = {
+        "self_attn.o_proj.weight": permute_o_proj(src.get(prefix + "self_attn.o_proj.weight"), layout, head_dim),
+        "self_attn.v_proj.weight": gather_head_rows(src.get(prefix + "self_attn.v_proj.weight"), layout.kv_sources,
+                                                    head_dim),
+        "input_layernorm.weight": src.get(prefix + "input_layernorm.weight"),
+    }
+    eps = _weight_only_calibration(attention, layer, options)
     lambdas = _lambda_vectors(layer, diff_config, options)
     for name in OUTPUT_LAYER_TENSORS:
         full = prefix + name
         if name.startswith("self_attn.lambda"):
             writer.add(full, lambdas[name.removeprefix("self_attn.")].to(out_dtype))
         elif name == "self_attn.o_proj.weight":
-            writer.add(full, permute_o_proj(o_proj, layout, head_dim).to(out_dtype))
+            writer.add(full, attention["self_attn.o_proj.weight"].to(out_dtype))
             progress(full)
         elif name.startswith("self_attn."):
             sources = layout.query_sources if name.startswith("self_attn.q_proj") else layout.kv_sources
@@ -361,6 +387,7 @@ def _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_
             progress(full)
         else:
             copy_tensor(full, keep=False)
+    return eps
 
 
 def write_plan(config: DiffLlamaConfig, dtype: torch.dtype) -> list:
