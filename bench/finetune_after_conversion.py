@@ -135,7 +135,11 @@ def main():
                         help="comma-separated: lstsq, scale, none (V1 calibrations), v2 (default: %(default)s)")
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--work", help="folder for the models (default: a temporary one)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default %(default)s: on a shared 2-core machine one thread is faster)")
+    parser.add_argument("--append", action="store_true",
+                        help="add rows to the existing results (models already there are skipped), e.g. the V2 rows "
+                        "from a checkout that has --diff-version 2")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -154,21 +158,28 @@ def main():
                          add_special_tokens=False).input_ids[0][: 2048 + 1]
     recipes = args.recipes.split(",")
 
-    models = [("source LLaMA", source, {}, {})]
+    previous = json.loads((RESULTS / "finetune_after_conversion.json").read_text()) if args.append else None
+    done = {row["model"] for row in previous["rows"]} if previous else set()
+    seconds = {}
+    models = [] if "source LLaMA" in done else [("source LLaMA", source, {}, {})]
     for label, overrides in conversions(args.conversions.split(",")):
+        if label in done:
+            continue
         folder = work / ("converted-" + "-".join(f"{k}-{v}" for k, v in overrides.items()))
         started = time.perf_counter()
         report = convert_llama_to_diff_llama(str(source), str(folder), ConversionOptions(**overrides), overwrite=True,
                                              progress=False)
-        print(report.summary(), f"({time.perf_counter() - started:.0f} s)", flush=True)
+        seconds[label] = time.perf_counter() - started
+        print(report.summary(), flush=True)
         models.append((label, folder, overrides, report.quality))
 
     from transformers import AutoModelForCausalLM
 
-    rows = []
+    rows = previous["rows"] if previous else []
     for label, folder, overrides, quality in models:
         row = {"model": label, "options": overrides, **weight_scales(folder)}
         row["conversion_report_perplexity"] = quality.get("converted_perplexity")
+        row["conversion_seconds"] = seconds.get(label)
         row["before"] = held_out_perplexity(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), held_out)
         for recipe in recipes:
             started = time.perf_counter()
@@ -176,6 +187,7 @@ def main():
             print(f"{label} | {recipe}: {row['before']:.2f} -> {row[recipe]:.2f} "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
         rows.append(row)
+        (work / "rows.json").write_text(json.dumps(rows, indent=2) + "\n")  # partial results, in case of a stop
     source_row = rows[0]
     for row in rows:
         row["before_x_source"] = row["before"] / source_row["before"]

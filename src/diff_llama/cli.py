@@ -47,13 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "Default: %(default)s")
     convert.add_argument("--calibration", choices=["lstsq", "scale", "none"], default="lstsq",
                          help="lstsq: refit each layer's o_proj by least squares; scale: per-head scale only; "
-                         "none: no calibration text needed. Default: %(default)s")
+                         "none: no calibration text needed (head-norm epsilon estimated from the weights). "
+                         "Default: %(default)s")
     convert.add_argument("--calibration-text", metavar="FILE", help="calibration text (default: built-in English text)")
     convert.add_argument("--calibration-tokens", type=int, default=8192, help="tokens of calibration text to use (default: %(default)s)")
     convert.add_argument("--head-norm-headroom", type=float, default=0.1,
-                         help="scale values so each head's RMSNorm sees mean square = this x rms_norm_eps, where "
-                         "it is nearly linear (0 disables; larger is closer to the paper's regime, less faithful). "
-                         "Default: %(default)s")
+                         help="set each layer's head-norm epsilon to its heads' mean square / this, where the "
+                         "norm is nearly linear; weights keep the LLaMA's scale (0 keeps rms_norm_eps; larger is closer "
+                         "to the paper's regime, less faithful). Default: %(default)s")
     convert.add_argument("--eval-text", metavar="FILE", help="held-out text for the quality report (default: built-in)")
     convert.add_argument("--eval-tokens", type=int, default=2048, help="tokens of held-out text to score (default: %(default)s)")
     convert.add_argument("--no-eval", dest="evaluate", action="store_false", help="skip the quality report")
