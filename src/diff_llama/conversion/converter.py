@@ -293,15 +293,14 @@ def convert_llama_to_diff_llama(
             source_layer, converted_layer = runner.build_layers(layer, source_tensors, converted)
             if not calibrating:
                 converted_layer.self_attn.head_norm.eps = eps if eps is not None else config.rms_norm_eps
-                head_norm_eps.append(converted_layer.self_attn.head_norm.eps)
-            if calibrating:
-                diagnostics = runner.calibrate(source_layer, converted_layer, settings)
+            else:
+                diagnostics = runner.calibrate(source_layer, converted_layer, settings)  # sets the layer's eps
                 layer_diagnostics.append({"layer": layer, **diagnostics})
-                head_norm_eps.append(converted_layer.self_attn.head_norm.eps)
                 fitted = converted_layer.self_attn.o_proj.weight.detach()
                 converted["self_attn.o_proj.weight"] = fitted.to(out_dtype)
                 # continue the streams with exactly the weights that are written
                 converted_layer.self_attn.o_proj.weight.data = converted["self_attn.o_proj.weight"].float()
+            head_norm_eps.append(converted_layer.self_attn.head_norm.eps)
             runner.advance(source_layer, converted_layer)
 
             for name in OUTPUT_LAYER_TENSORS:
