@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Tr
 from diff_llama.conversion.converter import ConversionOptions, convert_llama_to_diff_llama
 from diff_llama.corpus import HELD_OUT_MODULES, stdlib_docstrings
 from diff_llama.evaluation import perplexity
+from diff_llama.training import optimizer_for
 
 BLOCK = 64
 
@@ -73,13 +74,15 @@ def _fine_tuned_perplexity(folder, train_data, held_out, recipe, tmp_path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     learning_rate = 1e-3
-    if recipe == "lora":
+    if recipe.endswith("lora"):
         model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj",
                                                                                        "o_proj"]))
         learning_rate = 3e-3
     args = TrainingArguments(str(tmp_path / "run"), max_steps=5, per_device_train_batch_size=8, learning_rate=learning_rate,
                              lr_scheduler_type="constant", save_strategy="no", report_to="none", seed=0)
-    Trainer(model=model, args=args, train_dataset=train_data).train()
+    # "diff-llama train": its optimiser, with λ at its own learning rate (1e-2); otherwise the Trainer's own AdamW.
+    optimizers = (optimizer_for(model, learning_rate, lambda_learning_rate=1e-2), None) if "train" in recipe else (None, None)
+    Trainer(model=model, args=args, train_dataset=train_data, optimizers=optimizers).train()
     return perplexity(model, held_out, window=128)
 
 
@@ -99,7 +102,7 @@ def test_a_fresh_conversion_fine_tunes_like_its_source(tmp_path, tokenizer, trai
     assert source_before < 0.5 * len(tokenizer)  # the source learned something
     assert converted_before < 1.1 * source_before  # the conversion keeps it
 
-    for recipe in ("full", "lora"):
+    for recipe in ("full", "lora", "diff-llama train"):
         source_after = _fine_tuned_perplexity(trained_llama, train_data, held_out, recipe, tmp_path)
         converted_after = _fine_tuned_perplexity(converted, train_data, held_out, recipe, tmp_path)
         assert source_after < source_before  # the recipe does something
