@@ -62,7 +62,7 @@ def conversions(names: list[str]) -> list[tuple[str, dict]]:
 
     fields = {f.name for f in dataclasses.fields(ConversionOptions)}
     variants = []
-    for name in names:
+    for name in filter(None, names):
         if name == "v2":
             if "diff_version" in fields:
                 variants.append(("V2 (--diff-version 2)", dict(diff_version=2)))

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "Default: %(default)s")
     convert.add_argument("--calibration-text", metavar="FILE", help="calibration text (default: built-in English text)")
     convert.add_argument("--calibration-tokens", type=int, default=8192, help="tokens of calibration text to use (default: %(default)s)")
-    convert.add_argument("--head-norm-headroom", type=float, default=0.1,
+    convert.add_argument("--head-norm-headroom", type=float, default=0.01,
                          help="set each layer's head-norm epsilon to its heads' mean square / this, where the "
                          "norm is nearly linear; weights keep the LLaMA's scale (0 keeps rms_norm_eps; larger is closer "
                          "to the paper's regime, less faithful). Default: %(default)s")

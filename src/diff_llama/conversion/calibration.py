@@ -20,7 +20,7 @@ BATCH = 4  # sequences per forward pass
 @dataclass
 class CalibrationSettings:
     method: str = "lstsq"  # "lstsq": per-layer least-squares o_proj; "scale": per-head scale only
-    head_norm_headroom: float = 0.1  # r: head-norm epsilon set to (heads' mean square) / r; 0 keeps rms_norm_eps
+    head_norm_headroom: float = 0.01  # r: head-norm epsilon set to (heads' mean square) / r; 0 keeps rms_norm_eps
     ridge: float = 1e-3
 
 

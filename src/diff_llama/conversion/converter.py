@@ -49,7 +49,7 @@ class ConversionOptions:
     calibration: str = "lstsq"  # "lstsq", "scale" or "none"
     calibration_text: str | None = None  # a file; None: the built-in text (standard-library docstrings)
     calibration_tokens: int = 8192
-    head_norm_headroom: float = 0.1
+    head_norm_headroom: float = 0.01
     evaluate: bool = True
     eval_text: str | None = None  # a file; None: built-in held-out text
     eval_tokens: int = 2048
