@@ -20,11 +20,12 @@ from diff_llama.smollm2 import smollm2_gguf_path
 
 RESULTS = Path(__file__).parent / "results"
 VARIANTS = [
-    ("expand, lstsq, headroom 0.1 (default)", dict()),
+    ("expand, lstsq, headroom 0.01 (default)", dict()),
+    ("expand, lstsq, headroom 0.1 (the default until issue 9)", dict(head_norm_headroom=0.1)),
     ("expand, lstsq, headroom 1.0", dict(head_norm_headroom=1.0)),
     ("expand, lstsq, no headroom (norm in the paper's regime)", dict(head_norm_headroom=0.0)),
     ("expand, scale only", dict(calibration="scale", head_norm_headroom=0.0)),
-    ("split, lstsq, headroom 0.1", dict(head_layout="split")),
+    ("split, lstsq, headroom 0.1", dict(head_layout="split", head_norm_headroom=0.1)),
     ("split, scale only (the spec's ~150 recipe)", dict(head_layout="split", calibration="scale", head_norm_headroom=0.0)),
     ("split, no calibration", dict(head_layout="split", calibration="none")),
 ]

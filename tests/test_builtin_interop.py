@@ -57,3 +57,18 @@ def test_diff_v2_is_refused_in_one_line():
 
     with pytest.raises(ValueError, match="version 1 only"):
         to_builtin_config(tiny_config(diff_version=2))
+
+
+def test_export_folds_a_head_norm_eps_of_its_own_into_the_values(tmp_path):
+    """A converted LLaMA keeps its values at their scale and sets head_norm_eps; the built-in model has no such field,
+    so export scales the values instead: RMSNorm(s x; s² eps) = RMSNorm(x; eps)."""
+    ours = tiny_model(num_attention_heads=8, num_key_value_heads=4, head_dim=8, head_norm_eps=[0.3, 2.0, 40.0])
+    export_to_builtin(ours, tmp_path)
+    builtin = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert not hasattr(builtin.config, "head_norm_eps")
+    input_ids = torch.randint(3, 128, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(builtin(input_ids).logits, ours(input_ids).logits, rtol=0, atol=1e-5)
+    back = load_builtin_checkpoint(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids).logits, ours(input_ids).logits, rtol=0, atol=1e-5)

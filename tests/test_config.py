@@ -16,6 +16,11 @@ from diff_llama.configuration_diff_llama import AUTO_MAP
         (dict(attention_dropout=0.1), "attention_dropout"),
         (dict(diff_version=3), "diff_version"),
         (dict(diff_version=2, num_attention_heads=6, num_key_value_heads=2), "num_key_value_heads"),
+        (dict(head_norm_eps=0.0), "head_norm_eps"),
+        (dict(head_norm_eps=-1e-5), "head_norm_eps"),
+        (dict(head_norm_eps=[0.5, 0.5]), "head_norm_eps"),  # 3 layers
+        (dict(head_norm_eps=[0.5, float("nan"), 0.5]), "head_norm_eps"),
+        (dict(head_norm_eps="1e-3"), "head_norm_eps"),
     ],
 )
 def test_invalid_layout_is_refused_when_a_model_is_built(overrides, field):
@@ -68,3 +73,13 @@ def test_invalid_saved_config_is_refused_when_its_model_is_built(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="num_key_value_heads"):
         DiffLlamaForCausalLM(DiffLlamaConfig.from_pretrained(tmp_path))
+
+
+def test_head_norm_eps_defaults_to_rms_norm_eps_and_may_be_per_layer(tmp_path):
+    config = tiny_config(rms_norm_eps=1e-6)
+    assert config.head_norm_eps is None and [config.head_norm_epsilon(i) for i in range(3)] == [1e-6] * 3
+    assert tiny_config(head_norm_eps=0.25).head_norm_epsilon(2) == 0.25
+    config = tiny_config(head_norm_eps=[0.5, 2.0, 8.0])
+    config.save_pretrained(tmp_path)
+    loaded = DiffLlamaConfig.from_pretrained(tmp_path)
+    assert [loaded.head_norm_epsilon(i) for i in range(3)] == [0.5, 2.0, 8.0]

@@ -1,6 +1,9 @@
 """Moving checkpoints between diff-llama and transformers' built-in `diffllama` model (even G only).
 
-Both checkpoints use the same parameter names and shapes, so no tensor is changed: only the config differs.
+Both checkpoints use the same parameter names and shapes, so no tensor is changed: only the config differs. One
+exception: the built-in model's head norm always uses `rms_norm_eps`, so a model with its own `head_norm_eps` (a
+converted LLaMA) is exported with its value projections scaled by sqrt(rms_norm_eps / head_norm_eps), which computes
+the same function (RMSNorm(s x; s² eps) = RMSNorm(x; eps)).
 """
 
 import os
@@ -13,7 +16,7 @@ from .configuration_diff_llama import DiffLlamaConfig
 from .modeling_diff_llama import DiffLlamaForCausalLM
 
 # Fields that exist only in diff-llama's config; the built-in config would keep them as stray attributes.
-_OWN_FIELDS = ("auto_map", "diff_version", "mlp_bias", "architectures", "model_type", "transformers_version")
+_OWN_FIELDS = ("auto_map", "diff_version", "head_norm_eps", "mlp_bias", "architectures", "model_type", "transformers_version")
 
 
 def load_builtin_checkpoint(path: str | os.PathLike, **from_pretrained_kwargs) -> DiffLlamaForCausalLM:
@@ -49,7 +52,16 @@ def export_to_builtin(model: DiffLlamaForCausalLM, output_dir: str | os.PathLike
     with torch.device("meta"):
         builtin = transformers.DiffLlamaForCausalLM(builtin_config)
     # The checkpoint names (λ vectors as `self_attn.lambda_q1`, ...) are the built-in model's module names.
-    builtin.load_state_dict(revert_weight_conversion(model, model.state_dict()), strict=True, assign=True)
+    state_dict = revert_weight_conversion(model, model.state_dict())
+    config = model.config
+    if config.head_norm_eps is not None:  # fold the epsilon into the values (see the module docstring)
+        for layer in range(config.num_hidden_layers):
+            scale = (config.rms_norm_eps / config.head_norm_epsilon(layer)) ** 0.5
+            for kind in ("weight", "bias"):
+                key = f"model.layers.{layer}.self_attn.v_proj.{kind}"
+                if key in state_dict:
+                    state_dict[key] = state_dict[key] * scale
+    builtin.load_state_dict(state_dict, strict=True, assign=True)
     builtin.generation_config = model.generation_config
     builtin.save_pretrained(output_dir)
 

@@ -34,6 +34,11 @@ class DiffLlamaConfig(PreTrainedConfig):
     Args:
         lambda_std_dev (`float`, defaults to 0.1):
             Standard deviation of the normal initialisation of the four per-layer λ vectors.
+        head_norm_eps (`float` or `list[float]`, *optional*):
+            Version 1: epsilon of the per-head RMSNorm of differential attention, one value or one per layer. `None`
+            (the default) uses `rms_norm_eps`, as the paper and transformers' built-in `diffllama` do. Converted
+            LLaMAs set it per layer, well above the heads' mean square, so that the norm starts nearly linear with the
+            LLaMA's weights at their own scale (see the converter).
         diff_version (`int`, defaults to 1):
             Differential attention variant: 1, the paper's (two maps per head over a 2d-wide value, λ per layer,
             per-head RMSNorm); 2, DIFF V2 (adjacent maps, λ per token and head from `lambda_proj`, no head norm,
@@ -76,6 +81,7 @@ class DiffLlamaConfig(PreTrainedConfig):
         mlp_bias: bool = False,
         lambda_std_dev: float = 0.1,
         diff_version: int = 1,
+        head_norm_eps: float | list[float] | None = None,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -96,6 +102,7 @@ class DiffLlamaConfig(PreTrainedConfig):
         self.mlp_bias = mlp_bias
         self.lambda_std_dev = lambda_std_dev
         self.diff_version = diff_version
+        self.head_norm_eps = head_norm_eps
         if self.head_dim is None and isinstance(num_attention_heads, int) and num_attention_heads > 0:
             self.head_dim = hidden_size // num_attention_heads  # as LlamaConfig; validated when a model is built
         self.pad_token_id = pad_token_id
@@ -106,6 +113,13 @@ class DiffLlamaConfig(PreTrainedConfig):
         # A built-in `diffllama` config.json names its own model_type; this class's is the one that applies.
         kwargs.pop("model_type", None)
         super().__init__(**kwargs)
+
+    def head_norm_epsilon(self, layer_idx: int) -> float:
+        """Epsilon of layer `layer_idx`'s per-head RMSNorm (version 1)."""
+        eps = self.head_norm_eps
+        if eps is None:
+            return self.rms_norm_eps
+        return float(eps[layer_idx] if isinstance(eps, (list, tuple)) else eps)
 
     def validate_differential_layout(self):
         """Refuse every value the differential attention cannot run with, naming the field and the fix. Called when a
@@ -142,6 +156,16 @@ class DiffLlamaConfig(PreTrainedConfig):
         if not self.lambda_std_dev >= 0:
             raise ValueError(
                 f"DiffLlamaConfig: `lambda_std_dev` must be >= 0 (it is a standard deviation), got {self.lambda_std_dev}."
+            )
+        eps = self.head_norm_eps
+        values = eps if isinstance(eps, (list, tuple)) else [eps]
+        if eps is not None and (
+            (isinstance(eps, (list, tuple)) and len(eps) != self.num_hidden_layers)
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf") for v in values)
+        ):
+            raise ValueError(
+                f"DiffLlamaConfig: `head_norm_eps` must be None (use `rms_norm_eps`), a positive number, or a list of "
+                f"{self.num_hidden_layers} positive numbers (one per layer), got {eps!r}."
             )
         if self.attention_dropout:
             raise ValueError(

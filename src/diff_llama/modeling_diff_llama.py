@@ -263,8 +263,10 @@ class DiffLlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
 
         self.differential_lambda = DiffLlamaLambda(self.head_dim, layer_idx)
-        # The paper's per-head normalisation over the 2d-wide output; it has no affine weight.
-        self.head_norm = nn.RMSNorm(2 * self.head_dim, eps=config.rms_norm_eps, elementwise_affine=False)
+        # The paper's per-head normalisation over the 2d-wide output; it has no affine weight. Its epsilon is
+        # rms_norm_eps unless the config sets head_norm_eps (converted LLaMAs do: see the converter).
+        eps = config.head_norm_epsilon(layer_idx)
+        self.head_norm = nn.RMSNorm(2 * self.head_dim, eps=eps, elementwise_affine=False)
 
     def forward(
         self,

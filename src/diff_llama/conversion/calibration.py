@@ -34,8 +34,32 @@ def _module_name(checkpoint_name: str) -> str:
 @dataclass
 class CalibrationSettings:
     method: str = "lstsq"  # "lstsq": per-layer least-squares o_proj; "scale": per-head scale only
-    head_norm_headroom: float = 0.1  # r: values scaled so the head norm sees mean square r·eps; 0 disables
+    head_norm_headroom: float = 0.01  # r: head-norm epsilon set to (heads' mean square) / r; 0 keeps rms_norm_eps
     ridge: float = 1e-3
+
+
+def head_norm_epsilon(mean_square: float, headroom: float) -> float:
+    """The head norm's epsilon for heads of this mean square: mean_square / headroom, to 4 significant digits (the
+    value the config stores and the calibration continues with)."""
+    return float(f"{mean_square / headroom:.4g}")
+
+
+def weight_only_head_norm_eps(v_proj: torch.Tensor, input_norm: torch.Tensor, headroom: float) -> float | None:
+    """The head-norm epsilon without calibration text: the heads' mean square estimated from the weights alone.
+
+    An attention output averages value vectors, so its mean square is at most the values' (Jensen); with the
+    normalised hidden state of unit variance per channel, a value row k has mean square sum_c W_kc² w_c² (w: the
+    input norm's weight). `v_proj` is in the converted layout (zero rows included). None when nothing is estimated.
+    """
+    if headroom <= 0:
+        return None
+    mean_square = (v_proj.double().pow(2) @ input_norm.double().pow(2)).mean().item()
+    return head_norm_epsilon(mean_square, headroom) if mean_square > 0 else None
+
+
+def fold_head_norm_gain(o_proj: torch.Tensor, eps: float, lambda_init: float) -> torch.Tensor:
+    """o_proj times the inverse of the near-linear head norm's gain (1 - λ_init) / sqrt(eps)."""
+    return o_proj * (math.sqrt(eps) / (1 - lambda_init))
 
 
 def _sequences(ids: torch.Tensor, seq_len: int, max_tokens: int, plus_one: bool) -> torch.Tensor:
@@ -83,7 +107,7 @@ class LayerwiseRunner:
 
     @torch.no_grad()
     def calibrate(self, source, converted, settings: CalibrationSettings) -> dict:
-        """Refit the converted layer's v_proj scale and o_proj in place; returns per-layer diagnostics."""
+        """Set the converted layer's head-norm epsilon and refit its o_proj, in place; returns per-layer diagnostics."""
         attention = converted.self_attn
         captured = {}
         hooks = [
@@ -99,23 +123,20 @@ class LayerwiseRunner:
                     attention(chunk, self.diff_rope, None)
                 return torch.cat(captured["z"]), torch.cat(captured["f"])
 
-            value_scale = 1.0
-            if settings.head_norm_headroom > 0:
-                # Values small enough that RMSNorm(x) = x / sqrt(mean(x²) + eps) is nearly linear: the norm then keeps
-                # each head's per-token magnitude, which the LLaMA relied on. o_proj absorbs the scale.
-                z, _ = head_outputs()
-                value_scale = math.sqrt(settings.head_norm_headroom * attention.head_norm.eps / z.pow(2).mean().item())
-                attention.v_proj.weight.mul_(value_scale)
-                if attention.v_proj.bias is not None:
-                    attention.v_proj.bias.mul_(value_scale)
-
             z, _ = head_outputs()
+            mean_square = z.pow(2).mean().item()
+            if settings.head_norm_headroom > 0 and mean_square > 0:
+                # RMSNorm(x) = x / sqrt(mean(x²) + eps) is nearly linear, x / sqrt(eps), where mean(x²) is well below
+                # eps: the norm then keeps each head's per-token magnitude, which the LLaMA relied on. The epsilon is
+                # raised to meet the heads' natural scale (it goes into the config), so every weight keeps the LLaMA's
+                # scale and fine-tunes like it; o_proj absorbs the norm's gain 1 / sqrt(eps) below.
+                attention.head_norm.eps = head_norm_epsilon(mean_square, settings.head_norm_headroom)
             eps = attention.head_norm.eps
             head_rms = z.pow(2).mean(-1).add(eps).sqrt().mean((0, 1))  # per differential head
-            scale = head_rms / ((1 - attention.differential_lambda.lambda_init) * value_scale)
+            scale = head_rms / (1 - attention.differential_lambda.lambda_init)
             weight = attention.o_proj.weight
             weight.copy_((weight.view(weight.shape[0], -1, weight.shape[1] // len(scale)) * scale[None, :, None]).view_as(weight))
-            diagnostics = {"value_scale": value_scale, "mean_head_rms": head_rms.mean().item()}
+            diagnostics = {"head_norm_eps": eps, "head_mean_square": mean_square, "mean_head_rms": head_rms.mean().item()}
 
             if settings.method == "lstsq":
                 _, features = head_outputs()

@@ -16,7 +16,7 @@ from .. import configuration_diff_llama, modeling_diff_llama
 from ..configuration_diff_llama import DiffLlamaConfig
 from ..corpus import CALIBRATION_MODULES, HELD_OUT_MODULES, stdlib_docstrings
 from ..modeling_diff_llama import LAMBDA_VECTOR_NAMES, lambda_init_fn
-from .calibration import CalibrationSettings, LayerwiseRunner
+from .calibration import CalibrationSettings, LayerwiseRunner, fold_head_norm_gain, weight_only_head_norm_eps
 from .diff_v2 import LAMBDA_PROJ, convert_attention_weights_v2, double_o_proj, paired_query_sources, zero_lambda_proj
 from .errors import ConversionError
 from ..model_card import write_model_card
@@ -101,9 +101,10 @@ class ConversionOptions:
     calibration_text: str | None = field(default=None, metadata={"help": (
         "calibration text file (default: built-in English text, Python standard-library docstrings)")})
     calibration_tokens: int = field(default=8192, metadata={"help": "tokens of calibration text to use"})
-    head_norm_headroom: float = field(default=0.1, metadata={"help": (
-        "scale values so each head's RMSNorm sees mean square = this x rms_norm_eps, where it is nearly linear "
-        "(0 disables; larger is closer to the paper's regime, less faithful)")})
+    head_norm_headroom: float = field(default=0.01, metadata={"help": (
+        "version 1: set each layer's head-norm epsilon to its heads' mean square / this, where the norm is nearly "
+        "linear; weights keep the LLaMA's scale (0 keeps rms_norm_eps; larger is closer to the paper's regime, less "
+        "faithful)")})
     evaluate: bool = field(default=True, metadata={"help": (
         "measure held-out perplexity and KL of source and converted model (--no-evaluate skips it)")})
     eval_text: str | None = field(default=None, metadata={"help": "held-out text file (default: built-in)"})
@@ -300,6 +301,7 @@ def convert_llama_to_diff_llama(
     settings = CalibrationSettings(method=options.calibration, head_norm_headroom=options.head_norm_headroom)
 
     layer_diagnostics = []
+    head_norm_eps = []  # version 1, per layer, set by calibration
     with target as folder:
         max_shard_bytes = convert_file_size_to_int(options.max_shard_size)
         writer = StreamingSafetensorsWriter(folder, write_plan(diff_config, out_dtype), max_shard_bytes)
@@ -324,7 +326,8 @@ def convert_llama_to_diff_llama(
         for layer in range(config.num_hidden_layers):
             prefix = f"model.layers.{layer}."
             if runner is None:  # nothing runs the model: stream, copying stored bytes wherever possible
-                _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype, copy_tensor)
+                eps = _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype, copy_tensor)
+                head_norm_eps.append(eps or config.rms_norm_eps)
                 bar.update(1)
                 continue
             attention = {name: src.get(prefix + name) for name in LAYER_TENSORS if name.startswith("self_attn.")}
@@ -338,15 +341,20 @@ def convert_llama_to_diff_llama(
                          for p, t in new_attention.items()}
             source_tensors = {**attention, **{n: src.get(prefix + n) for n in LAYER_TENSORS if n not in attention}}
             converted = {**source_tensors, **converted}
+            version_1 = layout is not None
+            eps = _weight_only_calibration(converted, layer, options) if version_1 and not calibrating else None
             source_layer, converted_layer = runner.build_layers(layer, source_tensors, converted)
             if calibrating:
-                diagnostics = runner.calibrate(source_layer, converted_layer, settings)
+                diagnostics = runner.calibrate(source_layer, converted_layer, settings)  # sets the layer's eps
                 layer_diagnostics.append({"layer": layer, **diagnostics})
-                for p in ("v_proj", "o_proj"):
-                    fitted = getattr(converted_layer.self_attn, p).weight.detach()
-                    converted[f"self_attn.{p}.weight"] = fitted.to(out_dtype)
-                    # continue the streams with exactly the weights that are written
-                    getattr(converted_layer.self_attn, p).weight.data = converted[f"self_attn.{p}.weight"].float()
+                fitted = converted_layer.self_attn.o_proj.weight.detach()
+                converted["self_attn.o_proj.weight"] = fitted.to(out_dtype)
+                # continue the streams with exactly the weights that are written
+                converted_layer.self_attn.o_proj.weight.data = converted["self_attn.o_proj.weight"].float()
+            elif version_1:
+                converted_layer.self_attn.head_norm.eps = eps if eps is not None else config.rms_norm_eps
+            if version_1:
+                head_norm_eps.append(converted_layer.self_attn.head_norm.eps)
             runner.advance(source_layer, converted_layer)
 
             for name in layer_tensors:
@@ -363,6 +371,8 @@ def convert_llama_to_diff_llama(
         bar.close()
         quality = runner.quality(norm, lm_head, config.rms_norm_eps) if options.evaluate else {}
 
+        if head_norm_eps and head_norm_eps != [config.rms_norm_eps] * len(head_norm_eps):
+            diff_config.head_norm_eps = head_norm_eps
         diff_config.save_pretrained(folder)
         for module in (configuration_diff_llama, modeling_diff_llama):  # remote code next to the weights
             shutil.copyfile(module.__file__, folder / Path(module.__file__).name)
@@ -385,12 +395,25 @@ def convert_llama_to_diff_llama(
     return report
 
 
-def _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype, copy_tensor) -> None:
+def _weight_only_calibration(converted: dict, layer: int, options: ConversionOptions) -> float | None:
+    """Version 1 without calibration text: the head-norm epsilon estimated from the weights, its gain folded into
+    o_proj (in `converted`, in place). Returns the epsilon, None when `--head-norm-headroom 0` keeps rms_norm_eps."""
+    eps = weight_only_head_norm_eps(converted["self_attn.v_proj.weight"], converted["input_layernorm.weight"],
+                                    options.head_norm_headroom)
+    if eps is not None:
+        o_proj = converted["self_attn.o_proj.weight"]
+        converted["self_attn.o_proj.weight"] = fold_head_norm_gain(o_proj.float(), eps, lambda_init_fn(layer)).to(o_proj.dtype)
+    return eps
+
+
+def _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype, copy_tensor) -> float | None:
     """Write one converted layer without running it: q/k/v are row-block gathers of the stored tensors (kernel
-    copies), o_proj is permuted (version 1) or doubled (DIFF V2) in memory, everything else is copied unchanged.
-    `layout` None: DIFF V2."""
+    copies), o_proj is permuted and scaled (version 1, see `_weight_only_calibration`) or doubled (DIFF V2) in memory,
+    everything else is copied unchanged. `layout` None: DIFF V2. Returns version 1's head-norm epsilon (None:
+    rms_norm_eps)."""
     head_dim, hidden = diff_config.head_dim, diff_config.hidden_size
     o_proj = src.get(prefix + "self_attn.o_proj.weight")
+    eps = None
     if layout is None:
         names, query_sources = OUTPUT_LAYER_TENSORS_V2, paired_query_sources(diff_config.num_attention_heads // 2)
         kv_sources = tuple(range(diff_config.num_key_value_heads))
@@ -399,7 +422,14 @@ def _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_
     else:
         names, query_sources, kv_sources = OUTPUT_LAYER_TENSORS, layout.query_sources, layout.kv_sources
         extra = {f"self_attn.{n}": v for n, v in _lambda_vectors(layer, diff_config, options).items()}
-        new_o_proj = permute_o_proj(o_proj, layout, head_dim)
+        attention = {
+            "self_attn.o_proj.weight": permute_o_proj(o_proj, layout, head_dim),
+            "self_attn.v_proj.weight": gather_head_rows(src.get(prefix + "self_attn.v_proj.weight"),
+                                                        layout.kv_sources, head_dim),
+            "input_layernorm.weight": src.get(prefix + "input_layernorm.weight"),
+        }
+        eps = _weight_only_calibration(attention, layer, options)
+        new_o_proj = attention["self_attn.o_proj.weight"]
     for name in names:
         full = prefix + name
         if name in extra:
@@ -419,6 +449,7 @@ def _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_
                 writer.add(full, gather_head_rows(src.get(full), sources, head_dim).to(out_dtype))
         else:
             copy_tensor(full, keep=False)
+    return eps
 
 
 def write_plan(config: DiffLlamaConfig, dtype: torch.dtype) -> list:

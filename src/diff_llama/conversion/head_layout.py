@@ -111,18 +111,23 @@ def convert_attention_weights(
 
 
 def zero_lambda_vectors(lambda_init: float, head_dim: int, dtype=torch.float32, seed: int = 0) -> dict:
-    """λ vectors that give λ = 0 exactly, with a non-zero gradient for every vector.
+    """λ vectors that give λ = 0 exactly, with a non-zero gradient for every vector, and that Adam moves slowly.
 
-    λ = exp(q1·k1) - exp(q2·k2) + λ_init is 0 when q1·k1 = 0 and q2·k2 = log(1 + λ_init). All four vectors are
+    λ = exp(q1·k1) - exp(q2·k2) + λ_init is 0 when q1·k1 = 0 and q2·k2 = b = log(1 + λ_init). All four vectors are
     non-zero, so dλ/dq1 = exp(q1·k1) k1 and the other three partial derivatives are non-zero: unlike all-zero
     vectors, this λ = 0 is not a saddle point and training can make the model differential.
+
+    Each vector has one non-zero channel (q1 = 0.25 e_i, k1 = 0.25 e_j with i != j, q2 = k2 = sqrt(b) e_m). Adam's
+    first steps move every channel with a non-zero gradient by about the learning rate whatever the gradient's size,
+    and all channels of a vector pull λ the same way, so one step moves λ by about lr times the vectors' L1 norms:
+    with dense vectors of norm 0.5-1 over 64 channels that is ~20 lr (0.2 per step at diff-llama train's λ learning
+    rate 1e-2, enough to wreck a fresh conversion in 3 steps); with these it is 2·0.25 + 2·sqrt(b)·(1 + λ_init) < 3.3 lr.
     """
     generator = torch.Generator().manual_seed(seed)
-    q1, k1, q2, k2 = torch.randn(4, head_dim, generator=generator, dtype=torch.float64)
-    k1 = k1 - (k1 @ q1) / (q1 @ q1) * q1  # q1·k1 = 0
-    q1, k1, q2 = q1 / q1.norm() * 0.5, k1 / k1.norm() * 0.5, q2 / q2.norm()
+    i, j, m = torch.randperm(head_dim, generator=generator)[:3].tolist()
     b = torch.log(torch.tensor(1.0 + lambda_init, dtype=torch.float64))
-    k2 = k2 - (k2 @ q2) * q2
-    k2 = k2 / k2.norm() * 0.5 + b * q2  # q2·k2 = b
+    q1, k1, q2, k2 = torch.zeros(4, head_dim, dtype=torch.float64)
+    q1[i], k1[j] = 0.25, 0.25
+    q2[m] = k2[m] = b.sqrt()
     vectors = {"lambda_q1": q1, "lambda_k1": k1, "lambda_q2": q2, "lambda_k2": k2}
     return {name: v.to(dtype) for name, v in vectors.items()}
