@@ -171,6 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--keep-card", action="store_true", help="upload MODEL/README.md as it is")
     push.add_argument("--dry-run", action="store_true", help="list what would be uploaded and stop")
 
+    # `diff-llama evaluate`: its options are declared once, in retrieval.RetrievalArguments (HfArgumentParser);
+    # main() hands everything after "evaluate" to retrieval.main. Listed here for the top-level help only.
+    evaluate = commands.add_parser(
+        "evaluate", add_help=False,
+        help="multi-needle retrieval and attention allocation of any causal LM(s), plus held-out perplexity "
+        "(see diff-llama evaluate --help)",
+    )
+    evaluate.add_argument("arguments", nargs=argparse.REMAINDER)
+
     export = commands.add_parser(
         "export-builtin",
         help="save a DiffLlama checkpoint for transformers' built-in DiffLlamaForCausalLM (even KV heads only)",
@@ -181,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["evaluate"]:
+        from .retrieval import main as evaluate_main
+
+        return evaluate_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         from .demo import run_demo
