@@ -180,20 +180,45 @@ def test_effective_maps_dispatch(tokenizer):
     assert len(maps) == 3 and maps[0].shape == (1, 3, 4, 4)  # differential heads: H/2
     lam = model.get_lambdas()
     assert torch.allclose(maps[1], out.attentions[1][:, :3] - lam[1] * out.attentions[1][:, 3:])
-    # A model that knows its own maps (e.g. DIFF V2) is asked for them.
+    # A model that knows its own maps is asked for them.
     marker = tuple(torch.full((1, 2, 4, 4), float(i)) for i in range(3))
-    model.differential_attention_maps_from_outputs = lambda outputs: marker
-    assert all(torch.equal(a, b) for a, b in zip(effective_attention_maps(model, out), marker))
-    del model.differential_attention_maps_from_outputs
-    model.config.diff_version = 2
-    with pytest.raises(NotImplementedError):
-        effective_attention_maps(model, out)
+    from types import SimpleNamespace
+
+    for name in ("differential_maps", "differential_attention_maps_from_outputs"):
+        own = SimpleNamespace(config=SimpleNamespace(model_type="other"), **{name: lambda outputs: marker})
+        assert all(torch.equal(a, b) for a, b in zip(effective_attention_maps(own, out), marker))
     # A LLaMA: its softmax maps, rows summing to 1.
     llama = tiny_llama(len(tokenizer))
     llama.set_attn_implementation("eager")
     out = llama(torch.tensor([[5, 6, 7, 8]]), output_attentions=True)
     maps = effective_attention_maps(llama, out)
     assert maps[0].shape == (1, 6, 4, 4) and torch.allclose(maps[2].sum(-1), torch.ones(1, 6, 4))
+
+
+def test_allocation_of_a_diff_v2_model_uses_per_token_lambda(tokenizer):
+    """DIFF V2 (per-token λ): run_case's allocation equals A_2i − λ_t,i A_2i+1 computed here from a full forward."""
+    case = make_case(tokenizer, 300, 0.25, 2, 1, seed="v2")
+    model = tiny_model(vocab_size=len(tokenizer), max_position_embeddings=512, diff_version=2)
+    for layer in model.model.layers:  # λ varies by token and head (the conversion's start is a constant 0.5)
+        torch.nn.init.normal_(layer.self_attn.differential_lambda.lambda_proj.weight, std=1.0)
+    model.set_attn_implementation("sdpa")
+    shares = run_case(model, tokenizer, case, max_new_tokens=2)["allocation"]
+    model.set_attn_implementation("eager")
+    out = model(torch.tensor([case.input_ids]), output_attentions=True, output_hidden_states=True)
+    rows, totals, lambdas = [], [], []
+    for layer, maps in enumerate(out.attentions):
+        x = model.model.layers[layer].input_layernorm(out.hidden_states[layer])[0, -1].double()
+        lam = torch.sigmoid(model.model.layers[layer].self_attn.differential_lambda.lambda_proj.weight.double() @ x)  # (h,)
+        last = maps[0, :, -1, :].double()
+        rows.append(last[0::2] - lam[:, None] * last[1::2])
+        totals.append((1 - lam).mean())
+        lambdas.append(lam)
+    rows = torch.cat(rows)
+    classes = torch.tensor(case.categories)
+    assert shares["answer"] == pytest.approx(rows[:, classes == 0].sum(-1).mean().item(), abs=1e-5)
+    assert shares["question"] == pytest.approx(rows[:, classes == 4].sum(-1).mean().item(), abs=1e-5)
+    assert shares["total"] == pytest.approx(torch.stack(totals).mean().item(), abs=1e-5)
+    assert torch.cat(lambdas).std() > 0.1  # a λ mixed up between heads, layers or tokens would show
 
 
 def test_allocation_rejects_mismatched_classes():

@@ -237,19 +237,22 @@ def score_output(text: str, numbers) -> list[bool]:
 
 def effective_attention_maps(model, outputs) -> tuple[torch.Tensor, ...]:
     """The attention maps a model applies to its values, one (batch, heads, q, k) float tensor per layer, from the
-    outputs of a forward pass with eager attention and `output_attentions=True`.
+    outputs of a forward pass with eager attention, `output_attentions=True` and `output_hidden_states=True`.
 
-    - A model with a `differential_attention_maps_from_outputs(outputs)` method: what it returns (V2 and later).
-    - A DiffLlama V1 (model_type "diff_llama"): A1 - λ·A2 per differential head (row sums 1 - λ).
-    - Anything else: the softmax maps as they are (row sums 1).
+    This is the one place that knows which maps a model has:
+    - a model with a `differential_maps(outputs)` method (a DiffLlama, V1 or V2; or
+      `differential_attention_maps_from_outputs(outputs)`): the differential maps it reports;
+    - an older DiffLlama V1 (model_type "diff_llama", no such method): A1 - λ·A2 per differential head;
+    - anything else: the softmax maps as they are (rows sum to 1).
     """
-    method = getattr(model, "differential_attention_maps_from_outputs", None)
-    if method is not None:
-        return tuple(m.float() for m in method(outputs))
+    for method_name in ("differential_maps", "differential_attention_maps_from_outputs"):
+        method = getattr(model, method_name, None)
+        if callable(method):
+            return tuple(m.float() for m in method(outputs))
     config = model.config
     if getattr(config, "model_type", None) == "diff_llama":
         if getattr(config, "diff_version", 1) != 1:
-            raise NotImplementedError(f"no differential maps for diff_version={config.diff_version} yet")
+            raise NotImplementedError(f"no differential maps for diff_version={config.diff_version}")
         from .modeling_diff_llama import differential_attention_maps
 
         return tuple(differential_attention_maps(outputs.attentions, model.get_lambdas()))
@@ -259,9 +262,9 @@ def effective_attention_maps(model, outputs) -> tuple[torch.Tensor, ...]:
 
 
 def map_kind(model) -> str:
-    if getattr(model, "differential_attention_maps_from_outputs", None) is not None:
-        return f"differential (V{getattr(model.config, 'diff_version', '?')})"
-    if getattr(model.config, "model_type", None) == "diff_llama":
+    """"softmax", or "differential (Vn)" for a DiffLlama."""
+    if getattr(model.config, "model_type", None) == "diff_llama" or callable(
+            getattr(model, "differential_attention_maps_from_outputs", None)):
         return f"differential (V{getattr(model.config, 'diff_version', 1)})"
     return "softmax"
 
@@ -310,7 +313,9 @@ def run_case(model, tokenizer, case: NeedleCase, max_new_tokens: int = 48, alloc
     if allocation:
         _set_attention(model, "eager")
         try:
-            out = model(input_ids=ids[:, -1:], past_key_values=past, use_cache=True, output_attentions=True)
+            # Hidden states too: DIFF V2's λ is a function of each layer's input at this token.
+            out = model(input_ids=ids[:, -1:], past_key_values=past, use_cache=True, output_attentions=True,
+                        output_hidden_states=True)
             shares = attention_allocation(effective_attention_maps(model, out), case.categories)
         finally:
             _set_attention(model, backend)
