@@ -16,6 +16,7 @@ from diff_llama.retrieval import (
     effective_attention_maps,
     filler_sentences,
     make_case,
+    merge_reports,
     needle_sentence,
     run_case,
     score_output,
@@ -251,6 +252,15 @@ def test_evaluate_command_writes_json_table_and_plot(tmp_path, tokenizer, capsys
     assert "| llama | softmax |" in table and "N=3, R=2" in table and "0% answer ↑" in table
     assert (out / "retrieval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Wrote" in capsys.readouterr().out
+    a = report["models"][0]["summary"]["allocation"]
+    assert a["noise_share"] == pytest.approx(a["noise"] / a["total"])
+    # Reports of separate runs merge when they were run on the same cases, and only then.
+    merged = merge_reports([report, report])
+    assert len(merged["models"]) == 4
+    other = json.loads(json.dumps(report))
+    other["options"]["seed"] = 1
+    with pytest.raises(ValueError, match="seed"):
+        merge_reports([report, other])
     # Options are validated.
     assert main(["evaluate", str(tmp_path / "llama"), "--output", str(out), "--settings", "2"]) == 2
 

@@ -459,7 +459,11 @@ def summarize(results: list[dict]) -> dict:
         rows = [r["allocation"] for r in rows if r["allocation"]]
         if not rows:
             return None
-        return {k: _mean(a[k] for a in rows) for k in (*CATEGORIES, "noise", "total")}
+        means = {k: _mean(a[k] for a in rows) for k in (*CATEGORIES, "noise", "total")}
+        # Shares of the row total: a differential map's rows sum to 1 - λ, so raw masses of models with different λ
+        # (V2's conversion starts at λ = 0.5) are not comparable; their shares are.
+        means.update({f"{k}_share": means[k] / means["total"] for k in ("answer", "noise", "question")})
+        return means
 
     summary = {
         "accuracy": _mean(r["correct"] for r in results),
@@ -523,7 +527,7 @@ def markdown_report(report: dict) -> str:
         s = m["summary"]
         a = s["allocation"] or {}
         lines.append(f"| {m['name']} | {m['maps']} | {_num(m.get('perplexity'), 2)} | {_pct(s['accuracy'])} | "
-                     f"{_num(a.get('answer'))} | {_num(a.get('noise'))} |")
+                     f"{_num(a.get('answer_share'))} | {_num(a.get('noise_share'))} |")
     lines += ["", "Retrieval accuracy (Table 2 of the paper: N needles, R queried):", "",
               "| model | length | " + " | ".join(f"N={s.split('x')[0]}, R={s.split('x')[1]}" for s in settings)
               + " | mean |", "|---|---|" + "---|" * (len(settings) + 1)]
@@ -540,8 +544,9 @@ def markdown_report(report: dict) -> str:
         lines.append(f"| {m['name']} | " + " | ".join(_pct(by_depth.get(d)) for d in depths) + " |")
     if any(m["summary"]["allocation"] for m in models):
         lines += ["", "Attention allocation from the answer-generating position (Table 3 of the paper), mean over "
-                  "layers, heads and cases: answer needle / noise (everything except the answer needle and the "
-                  "question). Differential maps are A1 − λ·A2 (rows sum to 1 − λ), softmax maps sum to 1.", "",
+                  "layers, heads and cases, as a share of the mean row sum: answer needle / noise (everything except "
+                  "the answer needle and the question). Softmax rows sum to 1; differential rows (A1 − λ·A2) to "
+                  "1 − λ.", "",
                   "| model | " + " | ".join(f"{d}% answer ↑ | {d}% noise ↓" for d in depths) + " |",
                   "|---|" + "---|" * (2 * len(depths))]
         for m in models:
@@ -549,10 +554,10 @@ def markdown_report(report: dict) -> str:
             cells = []
             for d in depths:
                 a = by_depth.get(d) or {}
-                cells += [_num(a.get("answer")), _num(a.get("noise"))]
+                cells += [_num(a.get("answer_share")), _num(a.get("noise_share"))]
             lines.append(f"| {m['name']} | " + " | ".join(cells) + " |")
-        lines += ["", "Where the rest goes (mean over all cases): noise = other needles + filler + prefix "
-                  "(BOS, system prompt, chat markup); total = row sum.", "",
+        lines += ["", "Raw attention mass by token class (mean over layers, heads and cases): noise = other needles "
+                  "+ filler + prefix (BOS, system prompt, chat markup); total = row sum.", "",
                   "| model | answer | other needles | filler | prefix | question | total |", "|---|---|---|---|---|---|---|"]
         for m in models:
             a = m["summary"]["allocation"] or {}
@@ -577,15 +582,15 @@ def plot_report(report: dict, output: str | Path) -> Path:
                      color=color, label=m["name"])
         if s["allocation"]:
             by_depth = s["allocation_by_depth"]
-            axes[2].plot([float(d) for d in depths], [by_depth[d]["answer"] for d in depths], "o-", color=color,
-                         label=f"{m['name']}: answer")
-            axes[2].plot([float(d) for d in depths], [by_depth[d]["noise"] for d in depths], "s--", color=color,
-                         label=f"{m['name']}: noise")
+            axes[2].plot([float(d) for d in depths], [by_depth[d]["answer_share"] for d in depths], "o-",
+                         color=color, label=f"{m['name']}: answer")
+            axes[2].plot([float(d) for d in depths], [by_depth[d]["noise_share"] for d in depths], "s--",
+                         color=color, label=f"{m['name']}: noise")
     axes[0].set(xlabel="depth of the answer needle (%)", ylabel="accuracy", title="retrieval by depth", ylim=(-0.05, 1.05))
     axes[1].set(xlabel="context length (tokens)", ylabel="accuracy", title="retrieval by length", ylim=(-0.05, 1.05))
     axes[1].set_xscale("log", base=2)
     axes[1].set_xticks(options["lengths"], [str(k) for k in options["lengths"]])
-    axes[2].set(xlabel="depth of the answer needle (%)", ylabel="attention mass (mean over layers and heads)",
+    axes[2].set(xlabel="depth of the answer needle (%)", ylabel="share of attention (mean over layers, heads)",
                 title="attention allocation")
     for ax in axes:
         ax.grid(alpha=0.3)
@@ -601,6 +606,18 @@ def write_report(report: dict, output: str | Path) -> dict:
     (output / "retrieval.md").write_text(markdown_report(report))
     plot_report(report, output / "retrieval.png")
     return {"json": output / "retrieval.json", "markdown": output / "retrieval.md", "plot": output / "retrieval.png"}
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """One report with the models of several (e.g. one `diff-llama evaluate` run per model), which must have been
+    run on the same cases: the same lengths, settings, depths, counts, seed and chat-template choice."""
+    same = ("lengths", "settings", "depths", "cases_per_depth", "seed", "max_new_tokens", "chat_template")
+    first = reports[0]["options"]
+    for report in reports[1:]:
+        different = [k for k in same if report["options"][k] != first[k]]
+        if different:
+            raise ValueError(f"reports were run with different options: {', '.join(different)}")
+    return {"options": first, "models": [m for report in reports for m in report["models"]]}
 
 
 def main(argv=None) -> int:
