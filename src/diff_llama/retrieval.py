@@ -617,7 +617,10 @@ def merge_reports(reports: list[dict]) -> dict:
         different = [k for k in same if report["options"][k] != first[k]]
         if different:
             raise ValueError(f"reports were run with different options: {', '.join(different)}")
-    return {"options": first, "models": [m for report in reports for m in report["models"]]}
+    models = [dict(m) for report in reports for m in report["models"]]
+    for model in models:  # summaries recomputed from the cases, so that reports of older versions merge too
+        model["summary"] = summarize(model["cases"])
+    return {"options": first, "models": models}
 
 
 def main(argv=None) -> int:
