@@ -252,6 +252,8 @@ def test_evaluate_command_writes_json_table_and_plot(tmp_path, tokenizer, capsys
     assert "| llama | softmax |" in table and "N=3, R=2" in table and "0% answer ↑" in table
     assert (out / "retrieval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Wrote" in capsys.readouterr().out
+    lines = (out / "cases.jsonl").read_text().splitlines()
+    assert len(lines) == 16 and json.loads(lines[-1])["model"] == "diff"
     a = report["models"][0]["summary"]["allocation"]
     assert a["noise_share"] == pytest.approx(a["noise"] / a["total"])
     # Reports of separate runs merge when they were run on the same cases, and only then.

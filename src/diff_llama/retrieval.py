@@ -416,8 +416,10 @@ def make_cases(tokenizer, options: RetrievalArguments) -> list[NeedleCase]:
     return cases
 
 
-def evaluate_model(model, tokenizer, options: RetrievalArguments, name: str = "model") -> dict:
-    """Retrieval and allocation of one loaded model on the cases `options` describe, plus held-out perplexity."""
+def evaluate_model(model, tokenizer, options: RetrievalArguments, name: str = "model",
+                   progress_file: str | Path | None = None) -> dict:
+    """Retrieval and allocation of one loaded model on the cases `options` describe, plus held-out perplexity.
+    With `progress_file`, every case's result is also appended to it as one JSON line as soon as it is known."""
     cases = make_cases(tokenizer, options)
     results = []
     started = time.perf_counter()
@@ -430,6 +432,9 @@ def evaluate_model(model, tokenizer, options: RetrievalArguments, name: str = "m
                                                                  max(case.answer_positions)],
             **result,
         })
+        if progress_file is not None:
+            with open(progress_file, "a") as handle:
+                handle.write(json.dumps({"model": name, **results[-1]}) + "\n")
     report = {"name": name, "model_type": model.config.model_type, "maps": map_kind(model),
               "seconds": round(time.perf_counter() - started, 1), "cases": results}
     if options.perplexity_tokens > 0:
@@ -488,9 +493,12 @@ def evaluate_models(models: list[str], options: RetrievalArguments) -> dict:
     if len(names) != len(models):
         raise ValueError(f"{len(names)} names for {len(models)} models")
     report = {"options": asdict(options), "models": []}
+    Path(options.output).mkdir(parents=True, exist_ok=True)
+    progress_file = Path(options.output) / "cases.jsonl"  # results so far, for long runs
+    progress_file.unlink(missing_ok=True)
     for source, name in zip(models, names):
         model, tokenizer = load_model(source, options.dtype, options.device)
-        entry = evaluate_model(model, tokenizer, options, name)
+        entry = evaluate_model(model, tokenizer, options, name, progress_file=progress_file)
         entry["source"] = source
         report["models"].append(entry)
         del model
