@@ -4,7 +4,8 @@ Works for any causal LM: a plain LLaMA (folder, .gguf file or 'smollm2') as well
 
 - Retrieval: needles "The magic number for {city} is {7-digit number}." are set in generated filler text. The
   answer needle (the first queried city's) sits at a given depth of the context, N needles in all, R of them queried.
-  A case is correct when every queried number appears (as a whole digit run) in the greedy output.
+  A case is correct when every queried number appears (as a whole digit run) in the greedy output, which stops at
+  the end of the answer or once R numbers of seven or more digits are out (listing many numbers earns nothing).
 - Attention allocation: from the answer-generating position (the prompt's last token, whose logits give the first
   answer token), the attention mass on the answer needle's tokens, on the question (everything after the context)
   and on the rest (noise: filler, the other needles, the prompt's prefix), averaged over layers and heads. The maps
