@@ -13,6 +13,9 @@ bench/results/retrieval.{json,md,png}. The runs behind bench/results (2 CPU thre
         --threads 1 --names "SmolLM2 → DiffLlama V2 (converted, λ=0.5)"
     python bench/retrieval.py outputs/eval-source outputs/eval-v1 outputs/eval-v2
 
+and at 4,096 tokens (bench/results/retrieval-4k/), the same with `--lengths 4096 --settings 1x1 4x2
+--perplexity_tokens 0` into outputs/eval4k-*, then `python bench/retrieval.py --output bench/results/retrieval-4k ...`.
+
 Usage: python bench/retrieval.py FOLDER_OR_JSON [FOLDER_OR_JSON ...]
 """
 
@@ -28,12 +31,13 @@ RESULTS = Path(__file__).parent / "results"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("reports", nargs="+", help="retrieval.json files, or the folders holding them")
+    parser.add_argument("--output", default=str(RESULTS), help="folder for retrieval.{json,md,png} (default: %(default)s)")
     args = parser.parse_args()
     reports = []
     for path in map(Path, args.reports):
         reports.append(json.loads((path / "retrieval.json" if path.is_dir() else path).read_text()))
     merged = merge_reports(reports)
-    write_report(merged, RESULTS)
+    write_report(merged, args.output)
     print(markdown_report(merged))
 
 
