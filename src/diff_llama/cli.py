@@ -325,6 +325,10 @@ def main(argv=None) -> int:
 
 
 def _run(argv) -> int:
+    if argv[:1] == ["evaluate"]:  # its options are declared once, in retrieval.RetrievalArguments (HfArgumentParser)
+        from .retrieval import main as evaluate_main
+
+        return evaluate_main(argv[1:])
     args = vars(build_parser().parse_args(argv))  # argparse exits with code 2 and a usage line on bad options
     spec = COMMAND_SPECS[args.pop("command")]
     positional_values = [args.pop(name) for name, _ in spec.positionals]

@@ -1,0 +1,291 @@
+"""Multi-needle retrieval and attention allocation (`diff-llama evaluate`)."""
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import tiny_model
+from diff_llama.cli import main
+from diff_llama.retrieval import (
+    CATEGORIES,
+    HELD_OUT_CITIES,
+    TRAINING_CITIES,
+    attention_allocation,
+    effective_attention_maps,
+    filler_sentences,
+    make_case,
+    merge_reports,
+    needle_sentence,
+    run_case,
+    score_output,
+)
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+def tiny_llama(vocab_size, seed=0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=6, num_key_value_heads=3, head_dim=8, max_position_embeddings=512,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def chat_tokenizer(tokenizer):
+    import copy
+
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = CHAT_TEMPLATE
+    return chat
+
+
+def _names(case, positions):
+    return [CATEGORIES[case.categories[i]] for i in positions]
+
+
+def test_filler_is_deterministic_and_free_of_digits_and_cities():
+    assert filler_sentences(50, seed=3)[:20] == filler_sentences(20, seed=3)
+    assert filler_sentences(20, seed=3) != filler_sentences(20, seed=4)
+    text = " ".join(filler_sentences(500, seed=0))
+    assert not any(ch.isdigit() for ch in text)
+    assert not any(city in text for city in HELD_OUT_CITIES + TRAINING_CITIES)
+    assert not set(HELD_OUT_CITIES) & set(TRAINING_CITIES)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_needles_sit_where_asked_and_tokens_are_classified(tokenizer, chat_tokenizer, chat, depth):
+    tok = chat_tokenizer if chat else tokenizer
+    case = make_case(tok, 400, depth, num_needles=3, num_queries=2, seed="t", chat_template=True)
+    assert 320 <= len(case.input_ids) <= 400  # filled up to the length (to a sentence; ~40 tokens here), never over
+    assert len(case.categories) == len(case.input_ids)
+    assert case.query_numbers == case.numbers[:2] and all(1_000_000 <= n <= 9_999_999 for n in case.numbers)
+    assert len(set(case.cities)) == 3
+    # The answer needle's tokens are one contiguous run that decodes to exactly the needle sentence.
+    answer = case.answer_positions
+    assert answer == list(range(answer[0], answer[-1] + 1))
+    assert tok.decode([case.input_ids[i] for i in answer]).strip() == needle_sentence(case.cities[0], case.numbers[0])
+    other = [i for i, c in enumerate(case.categories) if CATEGORIES[c] == "other_needles"]
+    decoded_other = tok.decode([case.input_ids[i] for i in other])
+    for city, number in zip(case.cities[1:], case.numbers[1:]):
+        assert needle_sentence(city, number) in decoded_other
+    # Order of the classes: prefix, then the context (filler and needles), then the question.
+    names = [CATEGORIES[c] for c in case.categories]
+    context = [i for i, n in enumerate(names) if n in ("answer", "other_needles", "filler")]
+    question = [i for i, n in enumerate(names) if n == "question"]
+    assert context == list(range(context[0], context[-1] + 1)) and question[0] == context[-1] + 1
+    assert question[-1] == len(names) - 1
+    assert all(n == "prefix" for n in names[: context[0]])
+    assert ("What are the magic numbers for" in tok.decode([case.input_ids[i] for i in question]))
+    if chat:
+        assert case.prompt.startswith("<s>user\n") and case.prompt.endswith("<s>assistant\n")
+        assert context[0] > 0  # the template's "<s>user\n" is prefix
+    # Depth: the share of filler tokens before the answer needle.
+    filler = [i for i, n in enumerate(names) if n == "filler"]
+    before = sum(i < answer[0] for i in filler) / len(filler)
+    if depth == 0.0:
+        assert answer[0] == context[0]
+    elif depth == 1.0:
+        assert names[answer[-1] + 1] in ("question", "other_needles") and before == 1.0
+    else:
+        assert 0.4 < before < 0.6
+
+
+def test_cases_are_reproducible_and_vary_with_the_seed(tokenizer):
+    a = make_case(tokenizer, 300, 0.25, 4, 2, seed=1)
+    assert a == make_case(tokenizer, 300, 0.25, 4, 2, seed=1)
+    b = make_case(tokenizer, 300, 0.25, 4, 2, seed=2)
+    assert (a.cities, a.numbers) != (b.cities, b.numbers)
+    with pytest.raises(ValueError):
+        make_case(tokenizer, 300, 0.25, 2, 3)
+    with pytest.raises(ValueError):
+        make_case(tokenizer, 20, 0.25, 6, 2)  # the needles alone do not fit
+
+
+def test_score_is_exact_match_of_whole_numbers():
+    assert score_output("The magic number for Paris is 1234567.", [1234567]) == [True]
+    assert score_output("1234567 and 7654321", [7654321, 1234567]) == [True, True]
+    assert score_output("12345678", [1234567]) == [False]  # a longer number is not a match
+    assert score_output("123456", [1234567]) == [False]
+    assert score_output("1,234,567", [1234567]) == [False]
+    assert score_output("", [1234567]) == [False]
+
+
+def _independent_allocation(model, case, differential):
+    """Full prompt, eager attention, every map kept: the last query row, classes summed by hand."""
+    model.set_attn_implementation("eager")
+    out = model(torch.tensor([case.input_ids]), output_attentions=True)
+    model.set_attn_implementation("sdpa")
+    sums = {name: 0.0 for name in CATEGORIES}
+    count = 0
+    for layer, maps in enumerate(out.attentions):
+        rows = maps[0, :, -1, :].double()
+        if differential:
+            lam = float(model.model.layers[layer].self_attn.differential_lambda().detach())
+            half = rows.shape[0] // 2
+            rows = rows[:half] - lam * rows[half:]
+        for row in rows:
+            count += 1
+            for key, value in enumerate(row.tolist()):
+                sums[CATEGORIES[case.categories[key]]] += value
+    return {name: value / count for name, value in sums.items()}
+
+
+@pytest.mark.parametrize("kind", ["diff_llama", "llama"])
+def test_allocation_matches_an_independent_computation(tokenizer, kind):
+    case = make_case(tokenizer, 300, 0.5, 3, 2, seed="alloc")
+    if kind == "diff_llama":
+        model = tiny_model(vocab_size=len(tokenizer), max_position_embeddings=512)
+        model.set_attn_implementation("sdpa")
+        lambdas = model.get_lambdas().double()
+        assert lambdas.abs().min() > 0.05  # the check below would not see a missing λ otherwise
+        expected_total = (1 - lambdas).mean().item()
+    else:
+        model = tiny_llama(len(tokenizer))
+        expected_total = 1.0
+    result = run_case(model, tokenizer, case, max_new_tokens=3)
+    shares = result["allocation"]
+    reference = _independent_allocation(model, case, kind == "diff_llama")
+    for name in CATEGORIES:
+        assert shares[name] == pytest.approx(reference[name], abs=1e-5), name
+    assert shares["noise"] == pytest.approx(shares["other_needles"] + shares["filler"] + shares["prefix"])
+    assert shares["answer"] + shares["noise"] + shares["question"] == pytest.approx(shares["total"], abs=1e-9)
+    assert shares["total"] == pytest.approx(expected_total, abs=1e-5)
+    assert shares["answer"] != 0 and shares["other_needles"] != 0
+    assert model.config._attn_implementation == "sdpa"  # restored after the eager step
+
+
+def test_run_case_generates_what_generate_does(tokenizer):
+    model = tiny_llama(len(tokenizer), seed=1)
+    case = make_case(tokenizer, 150, 0.0, 1, 1, seed="gen")
+    result = run_case(model, tokenizer, case, max_new_tokens=6)
+    expected = model.generate(torch.tensor([case.input_ids]), max_new_tokens=6, do_sample=False,
+                              attention_mask=torch.ones(1, len(case.input_ids), dtype=torch.long))
+    new = expected[0, len(case.input_ids):].tolist()
+    new = new[: new.index(2)] if 2 in new else new
+    assert result["output"] == tokenizer.decode(new, skip_special_tokens=True)
+    assert result["correct"] == all(result["found"])
+
+
+def test_effective_maps_dispatch(tokenizer):
+    model = tiny_model(vocab_size=len(tokenizer))
+    model.set_attn_implementation("eager")
+    out = model(torch.tensor([[5, 6, 7, 8]]), output_attentions=True)
+    maps = effective_attention_maps(model, out)
+    assert len(maps) == 3 and maps[0].shape == (1, 3, 4, 4)  # differential heads: H/2
+    lam = model.get_lambdas()
+    assert torch.allclose(maps[1], out.attentions[1][:, :3] - lam[1] * out.attentions[1][:, 3:])
+    # A model that knows its own maps is asked for them.
+    marker = tuple(torch.full((1, 2, 4, 4), float(i)) for i in range(3))
+    from types import SimpleNamespace
+
+    for name in ("differential_maps", "differential_attention_maps_from_outputs"):
+        own = SimpleNamespace(config=SimpleNamespace(model_type="other"), **{name: lambda outputs: marker})
+        assert all(torch.equal(a, b) for a, b in zip(effective_attention_maps(own, out), marker))
+    # A LLaMA: its softmax maps, rows summing to 1.
+    llama = tiny_llama(len(tokenizer))
+    llama.set_attn_implementation("eager")
+    out = llama(torch.tensor([[5, 6, 7, 8]]), output_attentions=True)
+    maps = effective_attention_maps(llama, out)
+    assert maps[0].shape == (1, 6, 4, 4) and torch.allclose(maps[2].sum(-1), torch.ones(1, 6, 4))
+
+
+def test_allocation_of_a_diff_v2_model_uses_per_token_lambda(tokenizer):
+    """DIFF V2 (per-token λ): run_case's allocation equals A_2i − λ_t,i A_2i+1 computed here from a full forward."""
+    case = make_case(tokenizer, 300, 0.25, 2, 1, seed="v2")
+    model = tiny_model(vocab_size=len(tokenizer), max_position_embeddings=512, diff_version=2)
+    for layer in model.model.layers:  # λ varies by token and head (the conversion's start is a constant 0.5)
+        torch.nn.init.normal_(layer.self_attn.differential_lambda.lambda_proj.weight, std=1.0)
+    model.set_attn_implementation("sdpa")
+    shares = run_case(model, tokenizer, case, max_new_tokens=2)["allocation"]
+    model.set_attn_implementation("eager")
+    out = model(torch.tensor([case.input_ids]), output_attentions=True, output_hidden_states=True)
+    rows, totals, lambdas = [], [], []
+    for layer, maps in enumerate(out.attentions):
+        x = model.model.layers[layer].input_layernorm(out.hidden_states[layer])[0, -1].double()
+        lam = torch.sigmoid(model.model.layers[layer].self_attn.differential_lambda.lambda_proj.weight.double() @ x)  # (h,)
+        last = maps[0, :, -1, :].double()
+        rows.append(last[0::2] - lam[:, None] * last[1::2])
+        totals.append((1 - lam).mean())
+        lambdas.append(lam)
+    rows = torch.cat(rows)
+    classes = torch.tensor(case.categories)
+    assert shares["answer"] == pytest.approx(rows[:, classes == 0].sum(-1).mean().item(), abs=1e-5)
+    assert shares["question"] == pytest.approx(rows[:, classes == 4].sum(-1).mean().item(), abs=1e-5)
+    assert shares["total"] == pytest.approx(torch.stack(totals).mean().item(), abs=1e-5)
+    assert torch.cat(lambdas).std() > 0.1  # a λ mixed up between heads, layers or tokens would show
+
+
+def test_allocation_rejects_mismatched_classes():
+    with pytest.raises(ValueError):
+        attention_allocation([torch.ones(1, 2, 1, 5) / 5], [0, 1, 2])
+
+
+def test_evaluate_command_writes_json_table_and_plot(tmp_path, tokenizer, capsys):
+    diff = tiny_model(vocab_size=len(tokenizer), max_position_embeddings=512)
+    diff.save_pretrained(tmp_path / "diff")
+    tokenizer.save_pretrained(tmp_path / "diff")
+    llama = tiny_llama(len(tokenizer))
+    llama.save_pretrained(tmp_path / "llama")
+    tokenizer.save_pretrained(tmp_path / "llama")
+    out = tmp_path / "eval"
+    code = main(["evaluate", str(tmp_path / "llama"), str(tmp_path / "diff"), "--output", str(out),
+                 "--lengths", "250", "350", "--settings", "1x1", "3x2", "--depths", "0", "100",
+                 "--cases_per_depth", "1", "--max_new_tokens", "4", "--perplexity_tokens", "64", "--threads", "0"])
+    assert code == 0
+    report = json.loads((out / "retrieval.json").read_text())
+    assert [m["name"] for m in report["models"]] == ["llama", "diff"]
+    assert [m["maps"] for m in report["models"]] == ["softmax", "differential (V1)"]
+    for m in report["models"]:
+        assert len(m["cases"]) == 2 * 2 * 2 and m["perplexity"] > 1
+        assert set(m["summary"]["accuracy_by_cell"]) == {"250/1x1", "250/3x2", "350/1x1", "350/3x2"}
+        assert set(m["summary"]["allocation_by_depth"]) == {"0", "100"}
+    # The same cases for every model (same tokenizer).
+    assert [c["expected"] for c in report["models"][0]["cases"]] == [c["expected"] for c in report["models"][1]["cases"]]
+    table = (out / "retrieval.md").read_text()
+    assert "| llama | softmax |" in table and "N=3, R=2" in table and "0% answer ↑" in table
+    assert (out / "retrieval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Wrote" in capsys.readouterr().out
+    lines = (out / "cases.jsonl").read_text().splitlines()
+    assert len(lines) == 16 and json.loads(lines[-1])["model"] == "diff"
+    a = report["models"][0]["summary"]["allocation"]
+    assert a["noise_share"] == pytest.approx(a["noise"] / a["total"])
+    # Reports of separate runs merge when they were run on the same cases, and only then.
+    merged = merge_reports([report, report])
+    assert len(merged["models"]) == 4
+    other = json.loads(json.dumps(report))
+    other["options"]["seed"] = 1
+    with pytest.raises(ValueError, match="seed"):
+        merge_reports([report, other])
+    # Options are validated.
+    assert main(["evaluate", str(tmp_path / "llama"), "--output", str(out), "--settings", "2"]) == 2
+
+
+def test_evaluate_help_lists_the_options(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["evaluate", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "--cases_per_depth" in text and "--lengths" in text and "MODEL" in text
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "evaluate" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_smollm2_retrieves_one_needle():
+    from diff_llama.retrieval import load_model
+
+    model, tokenizer = load_model("smollm2")
+    results = [run_case(model, tokenizer, make_case(tokenizer, 1024, depth, 1, 1, seed=f"slow-{depth}"))
+               for depth in (0.0, 0.5, 1.0)]
+    assert sum(r["correct"] for r in results) >= 2, [r["output"] for r in results]
+    for r in results:
+        assert r["allocation"]["total"] == pytest.approx(1.0, abs=1e-4)
+        assert 0 < r["allocation"]["answer"] < 1
