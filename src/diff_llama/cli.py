@@ -287,6 +287,8 @@ def build_parser():
     # Subparsers are HfArgumentParsers too (argparse uses the parent's class), so each takes its dataclasses.
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, summary in SUMMARIES.items():
+        if name not in COMMAND_SPECS:  # `evaluate` parses its own options (see _run)
+            continue
         spec = COMMAND_SPECS[name]
         sub = commands.add_parser(name, help=summary, description=spec.description or summary,
                                   dataclass_types=_option_types(spec))
