@@ -18,6 +18,7 @@ COMMANDS = {
     "train": "fine-tune a model on your text with transformers' Trainer, fully or with LoRA",
     "generate": "generate text with a model, streamed to the terminal",
     "attention-map": "write PNG heatmaps of A1, A2 and A1 − λA2 (or a LLaMA's softmax maps) for one layer",
+    "adapt": "train a DiffLlama (or its source LLaMA, to compare) on long-context retrieval mixed with text",
     "evaluate": "multi-needle retrieval and attention allocation of any causal LM(s), plus held-out perplexity",
     "push": "upload a model folder (weights, remote code, tokenizer, model card) to the Hugging Face Hub",
     "export-builtin": "save a DiffLlama for transformers' built-in DiffLlamaForCausalLM (even KV heads only)",

@@ -133,24 +133,27 @@ def _overlaps(start: int, end: int, span: tuple[int, int]) -> bool:
 
 
 def make_case(tokenizer, length: int, depth: float, num_needles: int, num_queries: int, seed: int | str = 0,
-              chat_template: bool = True) -> NeedleCase:
+              chat_template: bool = True, city_pool=HELD_OUT_CITIES, filler=None) -> NeedleCase:
     """Build one prompt of at most `length` tokens: filler sentences with `num_needles` needles, the answer needle
-    at `depth` (a fraction of the context), then a question about the first `num_queries` needles' cities."""
+    at `depth` (a fraction of the context), then a question about the first `num_queries` needles' cities.
+
+    `city_pool` and `filler` (a function of (count, seed) giving sentences; default: the generated evaluation filler)
+    let training recipes build cases the evaluation never shows (`TRAINING_CITIES`, other text)."""
     if not 1 <= num_queries <= num_needles:
         raise ValueError(f"need 1 <= R <= N, got N={num_needles}, R={num_queries}")
-    if num_needles > len(HELD_OUT_CITIES):
-        raise ValueError(f"at most {len(HELD_OUT_CITIES)} needles")
+    if num_needles > len(city_pool):
+        raise ValueError(f"at most {len(city_pool)} needles")
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     rng = random.Random(f"case-{seed}")
-    cities = rng.sample(HELD_OUT_CITIES, num_needles)
+    cities = rng.sample(city_pool, num_needles)
     numbers = []
     while len(numbers) < num_needles:
         number = rng.randint(1_000_000, 9_999_999)
         if number not in numbers:
             numbers.append(number)
     other_fractions = [rng.random() for _ in range(num_needles - 1)]
-    sentences = filler_sentences(max(16, length // 4), seed=f"{seed}")
+    sentences = (filler or filler_sentences)(max(16, length // 4), f"{seed}")
     use_template = chat_template and getattr(tokenizer, "chat_template", None)
     question = question_text(cities[:num_queries])
 

@@ -1,0 +1,100 @@
+"""Issue 10 part 3: does a converted DiffLlama, trained like its source, retrieve better than the source?
+
+Trains SmolLM2-135M-Instruct and its DIFF V2 conversion with `diff-llama adapt`: the same examples in the same
+order, the same steps, learning rates and schedule (the recipe in `diff_llama.adaptation`), side by side, one
+thread each, the budget counted in CPU-minutes of the training steps. Then evaluates the source as it was and both
+trained models with `diff-llama evaluate` on the evaluation's cases (held-out cities and filler, bfloat16 weights,
+as the probes during training) and writes one table and the curves:
+
+    python bench/adaptation.py                       # convert (if needed), train both, evaluate, write the results
+    python bench/adaptation.py --skip-training       # evaluate and report models already trained into --work
+
+Results: bench/results/adaptation.md, .json (every case and every probe) and .png (curves against CPU-minutes).
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def run_parallel(commands: list[list[str]], logs: list[Path]) -> None:
+    """Run the commands at the same time (one thread each); fail if any fails."""
+    processes = []
+    for command, log in zip(commands, logs):
+        log.parent.mkdir(parents=True, exist_ok=True)
+        print("$", " ".join(command), f"> {log}", flush=True)
+        processes.append(subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT))
+    failed = [" ".join(c) for c, p in zip(commands, processes) if p.wait() != 0]
+    if failed:
+        sys.exit(f"failed (see the logs): {failed}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", default="outputs/adapt", help="folder for the converted and trained models")
+    parser.add_argument("--steps", type=int, default=300, help="training steps per model")
+    parser.add_argument("--eval-every", type=int, default=100, help="steps between held-out probes")
+    parser.add_argument("--lengths", nargs="+", default=["1024", "2048"], help="evaluation context lengths")
+    parser.add_argument("--cases-per-depth", default="2", help="evaluation cases per (length, N x R, depth)")
+    parser.add_argument("--skip-training", action="store_true", help="reuse the trained models in --work")
+    parser.add_argument("--output", default=str(RESULTS / "adaptation"), help="results prefix (.md, .json, .png)")
+    args = parser.parse_args()
+    work = Path(args.work)
+    cli = [sys.executable, "-m", "diff_llama.cli"]
+    converted = work / "smollm2-v2"
+    if not args.skip_training:
+        if not (converted / "config.json").exists():
+            subprocess.run([*cli, "convert", "smollm2", str(converted), "--diff-version", "2"], check=True)
+        run_parallel(
+            [[*cli, "adapt", source, str(work / folder), "--name", name, "--max-steps", str(args.steps),
+              "--eval-every", str(args.eval_every), "--threads", "1"]
+             for source, folder, name in (("smollm2", "llama", "SmolLM2-135M-Instruct"),
+                                          (str(converted), "v2", "DiffLlama-V2"))],
+            [work / "llama.log", work / "v2.log"],
+        )
+    evaluations = (("smollm2", "SmolLM2-135M-Instruct (before training)", "eval-source"),
+                   (str(work / "llama"), "SmolLM2-135M-Instruct, adapted", "eval-llama"),
+                   (str(work / "v2"), "DiffLlama V2 (converted), adapted", "eval-v2"))
+    pending = [e for e in evaluations if not (work / e[2] / "retrieval.json").exists()]
+    for batch in (pending[:2], pending[2:]):  # two at a time: one thread each on a 2-core machine
+        if batch:
+            run_parallel([[*cli, "evaluate", model, "--names", name, "--output", str(work / folder),
+                           "--dtype", "bfloat16", "--threads", "1", "--lengths", *args.lengths,
+                           "--cases-per-depth", args.cases_per_depth] for model, name, folder in batch],
+                         [work / f"{folder}.log" for _, _, folder in batch])
+
+    from diff_llama.adaptation import plot_curves
+    from diff_llama.retrieval import markdown_report, merge_reports, plot_report
+
+    report = merge_reports([json.loads((work / folder / "retrieval.json").read_text())
+                            for _, _, folder in evaluations])
+    histories = [json.loads((work / folder / "adapt.json").read_text()) for folder in ("llama", "v2")]
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    curves = ["", "Training (`diff-llama adapt`, the same examples, steps and learning rates for both; CPU-minutes of "
+              "the training steps, one thread each). Held-out probe at each point: accuracy on "
+              f"{', '.join(histories[0]['options']['eval_settings'])} at "
+              f"{', '.join(map(str, histories[0]['options']['eval_lengths']))} tokens (seed 1), attention shares, "
+              "held-out perplexity:", "",
+              "| model | step | CPU-minutes | probe accuracy | answer share ↑ | noise share ↓ | perplexity |",
+              "|---|---|---|---|---|---|---|"]
+    for history in histories:
+        for p in history["probes"]:
+            curves.append(f"| {history['name']} | {p['step']} | {p['cpu_minutes']:.1f} | {p['accuracy']:.0%} | "
+                          f"{p['answer_share']:.3f} | {p['noise_share']:.3f} | {p['perplexity']:.2f} |")
+    markdown = markdown_report(report) + "\n".join(curves) + "\n"
+    output.with_suffix(".md").write_text(markdown)
+    output.with_suffix(".json").write_text(json.dumps({"evaluation": report, "training": histories}, indent=1))
+    plot_curves(histories, output.with_name(output.name + "-curves.png"))
+    plot_report(report, output.with_suffix(".png"))
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()

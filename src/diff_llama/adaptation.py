@@ -1,0 +1,348 @@
+"""`diff-llama adapt`: train a model to retrieve from long contexts, the job differential attention is for.
+
+Distilling the source copies its attention noise along with everything else, and a lossless DIFF V2 conversion
+distilled from its source gets no gradient at all. This recipe trains on the task instead, and works the same for any
+causal LM, so a converted model and its source LLaMA can be trained identically and compared (`bench/adaptation.py`):
+
+- Retrieval examples (every step): multi-needle prompts built like the evaluation's (`retrieval.make_case`), but with
+  `retrieval.TRAINING_CITIES`, filler cut from the training docstrings instead of the evaluation's generated
+  sentences, random lengths, needle counts and depths, and fresh random numbers. The loss is the cross-entropy of the
+  answer ("1234567" or "1234567, 7654321", then the end-of-turn token) only, so the lm head is applied to those few
+  positions alone (`logits_to_keep`).
+- Language modelling on text (every `text_every` steps): a block of the training docstrings, the full next-token
+  loss, which keeps held-out perplexity near the source's. Optionally (`kl_weight`) a KL term to the model as it was
+  before training on the same block.
+- AdamW (`training.optimizer_for`: DIFF V2's λ projection at the base rate, version 1's λ vectors at their own),
+  linear warm-up then linear decay over `max_steps`, bfloat16 autocast on CPU by default (about 2.3x faster than
+  float32 on this project's CPU machine, with float32 master weights).
+
+The training budget is counted in CPU seconds of the training steps alone (evaluations excluded), so models trained
+side by side on a shared machine get comparable figures. Every `eval_every` steps a small held-out probe (evaluation
+cities and filler, another seed than `diff-llama evaluate`'s default cases) records retrieval accuracy, attention to the
+answer and to noise, and held-out perplexity: the curve against CPU-minutes lands in adapt.json and adapt.png.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .retrieval import TRAINING_CITIES, RetrievalArguments, make_case
+
+
+@dataclass
+class AdaptationOptions:
+    """Options of `diff-llama adapt` (parsed with transformers.HfArgumentParser) and of `adapt`."""
+
+    max_steps: int = field(default=300, metadata={"help": "optimiser steps (one retrieval example each)"})
+    max_cpu_minutes: float = field(default=60.0, metadata={
+        "help": "stop earlier once the training steps have used this many CPU-minutes (evaluations excluded)"})
+    learning_rate: float = field(default=3e-5, metadata={"help": "AdamW learning rate (peak)"})
+    lambda_learning_rate: float = field(default=1e-2, metadata={"help": "version 1's λ vectors' learning rate"})
+    warmup_steps: int = field(default=20, metadata={"help": "linear warm-up steps, then linear decay to 0"})
+    min_length: int = field(default=384, metadata={"help": "shortest retrieval example, in tokens"})
+    max_length: int = field(default=2048, metadata={"help": "longest retrieval example, in tokens"})
+    max_needles: int = field(default=8, metadata={"help": "needles per example: 1 .. this"})
+    max_queries: int = field(default=3, metadata={"help": "queried needles per example: 1 .. min(this, needles)"})
+    text_every: int = field(default=2, metadata={"help": "a language-modelling block every this many steps (0: none)"})
+    text_block: int = field(default=512, metadata={"help": "tokens per language-modelling block"})
+    kl_weight: float = field(default=0.0, metadata={
+        "help": "weight of KL(model before training || model) on the text blocks (0: off; costs one more forward)"})
+    autocast: str = field(default="bfloat16", metadata={"help": "autocast dtype for the forward pass, or 'none'"})
+    eval_every: int = field(default=100, metadata={"help": "steps between held-out probes (0: only at the end)"})
+    eval_cases: int = field(default=2, metadata={"help": "probe cases per (N x R, depth) at each probe length"})
+    eval_lengths: list[int] = field(default_factory=lambda: [2048], metadata={"help": "probe context lengths"})
+    eval_settings: list[str] = field(default_factory=lambda: ["4x2", "6x2"], metadata={"help": "probe N x R"})
+    threads: int = field(default=1, metadata={"help": "torch CPU threads (0: torch's default)"})
+    seed: int = field(default=0, metadata={"help": "seed of the data order and the examples"})
+    save: bool = field(default=True, metadata={"help": "save the trained model (and tokenizer) into OUTPUT"})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def training_sentences() -> list[str]:
+    """Sentences of the training docstrings, without digits (they would compete with the needles' numbers): the
+    retrieval examples' filler. The evaluation's filler is generated from a grammar and shares none of them."""
+    from .corpus import HELD_OUT_MODULES, TRAINING_MODULES, stdlib_docstrings
+
+    text = stdlib_docstrings(TRAINING_MODULES, exclude=stdlib_docstrings(HELD_OUT_MODULES))
+    sentences = []
+    for paragraph in text.split("\n\n"):
+        for sentence in _SENTENCE_END.split(" ".join(paragraph.split())):
+            if 20 <= len(sentence) <= 300 and not re.search(r"\d", sentence) and sentence[-1] in ".!?":
+                sentences.append(sentence)
+    return sentences
+
+
+class RetrievalExamples:
+    """An endless, seeded stream of training examples: (input_ids, number of answer tokens at the end)."""
+
+    def __init__(self, tokenizer, options: AdaptationOptions):
+        self.tokenizer, self.options = tokenizer, options
+        self.sentences = training_sentences()
+        self.rng = random.Random(f"adapt-{options.seed}")
+        self.chat = bool(getattr(tokenizer, "chat_template", None))
+
+    def _filler(self, count: int, seed: str) -> list[str]:
+        rng = random.Random(f"filler-{seed}")
+        start = rng.randrange(len(self.sentences))
+        return [self.sentences[(start + i) % len(self.sentences)] for i in range(count)]
+
+    def answer_ids(self, numbers) -> list[int]:
+        text = ", ".join(str(n) for n in numbers)
+        if self.chat:  # the end-of-turn token closes the assistant message, as in the template
+            return self.tokenizer(text + self.tokenizer.eos_token, add_special_tokens=False).input_ids
+        return self.tokenizer(" " + text, add_special_tokens=False).input_ids + [self.tokenizer.eos_token_id]
+
+    def next(self) -> tuple[list[int], int]:
+        o, rng = self.options, self.rng
+        needles = rng.randint(1, o.max_needles)
+        queries = rng.randint(1, min(o.max_queries, needles))
+        case = make_case(self.tokenizer, rng.randint(o.min_length, o.max_length), rng.random(), needles, queries,
+                         seed=f"adapt-{o.seed}-{rng.random()}", city_pool=TRAINING_CITIES, filler=self._filler)
+        answer = self.answer_ids(case.query_numbers)
+        return case.input_ids + answer, len(answer)
+
+
+def text_blocks(tokenizer, block: int, seed: int):
+    """Endless shuffled blocks of `block` tokens of the training docstrings (held-out text excluded)."""
+    from .corpus import HELD_OUT_MODULES, TRAINING_MODULES, stdlib_docstrings
+
+    text = stdlib_docstrings(TRAINING_MODULES, exclude=stdlib_docstrings(HELD_OUT_MODULES))
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    blocks = ids[: len(ids) // block * block].view(-1, block)
+    rng = torch.Generator().manual_seed(seed)
+    while True:
+        for index in torch.randperm(len(blocks), generator=rng):
+            yield blocks[index]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training
+
+
+def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 logits make a coarse loss
+
+
+def answer_loss(model, input_ids: list[int], answer_tokens: int) -> torch.Tensor:
+    """Cross-entropy of the last `answer_tokens` tokens given everything before them; the lm head only sees the
+    positions that predict them."""
+    ids = torch.tensor([input_ids], device=model.device)
+    logits = _at_least_float32(model(input_ids=ids, logits_to_keep=answer_tokens + 1).logits[0, :-1])
+    return torch.nn.functional.cross_entropy(logits, ids[0, -answer_tokens:])
+
+
+def text_loss(model, block: torch.Tensor, reference=None, kl_weight: float = 0.0) -> torch.Tensor:
+    ids = block[None].to(model.device)
+    logits = _at_least_float32(model(input_ids=ids).logits[0, :-1])
+    loss = torch.nn.functional.cross_entropy(logits, ids[0, 1:])
+    if reference is not None and kl_weight > 0:
+        with torch.no_grad():
+            target = reference(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+        loss = loss + kl_weight * torch.nn.functional.kl_div(logits.log_softmax(-1), target, log_target=True,
+                                                             reduction="batchmean")
+    return loss
+
+
+def learning_rate_factor(step: int, options: AdaptationOptions) -> float:
+    """Linear warm-up over `warmup_steps`, then linear decay to 0 at `max_steps`."""
+    if step < options.warmup_steps:
+        return (step + 1) / options.warmup_steps
+    return max(0.0, (options.max_steps - step) / max(1, options.max_steps - options.warmup_steps))
+
+
+def probe_options(options: AdaptationOptions) -> RetrievalArguments:
+    """The held-out probe: the evaluation's cities and filler, seed 1 (`diff-llama evaluate` defaults to seed 0)."""
+    return RetrievalArguments(lengths=list(options.eval_lengths), settings=list(options.eval_settings),
+                              cases_per_depth=options.eval_cases, seed=1, perplexity_tokens=2048, threads=0)
+
+
+def probe(model, tokenizer, options: AdaptationOptions, name: str) -> dict:
+    from .retrieval import evaluate_model
+
+    # A copy in the autocast dtype rather than autocast itself: autocast would re-cast every weight at every decoding
+    # step (about 5x slower here), and `diff-llama evaluate --dtype bfloat16` evaluates exactly this way.
+    dtype = _autocast_dtype(options)
+    copy_ = model if dtype is None else copy.deepcopy(model).to(dtype)
+    copy_.eval()
+    report = evaluate_model(copy_, tokenizer, probe_options(options), name=name)
+    model.train()
+    summary, allocation = report["summary"], report["summary"]["allocation"] or {}
+    return {"accuracy": summary["accuracy"], "accuracy_by_cell": summary["accuracy_by_cell"],
+            "answer_share": allocation.get("answer_share"), "noise_share": allocation.get("noise_share"),
+            "perplexity": report["perplexity"], "probe_seconds": report["seconds"]}
+
+
+def _autocast_dtype(options: AdaptationOptions):
+    return None if options.autocast in ("none", "float32") else getattr(torch, options.autocast)
+
+
+def _autocast(options: AdaptationOptions):
+    dtype = _autocast_dtype(options)
+    return torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None)
+
+
+def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | None = None, name: str = "model") -> dict:
+    """Train `model` in place with the recipe above; returns the history (and writes adapt.json/png to `output`)."""
+    from .training import optimizer_for
+
+    if options.threads > 0:
+        torch.set_num_threads(options.threads)
+    if options.max_steps < 1 or options.min_length > options.max_length:
+        raise ValueError("need max_steps >= 1 and min_length <= max_length")
+    torch.manual_seed(options.seed)
+    examples = RetrievalExamples(tokenizer, options)
+    blocks = text_blocks(tokenizer, options.text_block, options.seed) if options.text_every else None
+    reference = None
+    if options.kl_weight > 0:
+        reference = copy.deepcopy(model).eval().requires_grad_(False)
+    model.train()
+    optimizer = optimizer_for(model, options.learning_rate, options.lambda_learning_rate)
+    base_rates = [group["lr"] for group in optimizer.param_groups]
+    history = {"name": name, "options": asdict(options), "steps": [], "probes": []}
+    cpu_seconds = 0.0
+
+    def record_probe(step):
+        history["probes"].append({"step": step, "cpu_minutes": cpu_seconds / 60,
+                                  **probe(model, tokenizer, options, f"{name} @ {step}")})
+        if output is not None:
+            write_history(history, output)
+
+    record_probe(0)
+    progress = tqdm(range(options.max_steps), desc=f"adapt {name}")
+    for step in progress:
+        started = time.process_time()
+        factor = learning_rate_factor(step, options)
+        for group, rate in zip(optimizer.param_groups, base_rates):
+            group["lr"] = rate * factor
+        input_ids, answer_tokens = examples.next()
+        with _autocast(options):
+            loss = answer_loss(model, input_ids, answer_tokens)
+        loss.backward()
+        entry = {"step": step + 1, "tokens": len(input_ids), "answer_loss": loss.item()}
+        if blocks is not None and step % options.text_every == 0:
+            with _autocast(options):
+                lm = text_loss(model, next(blocks), reference, options.kl_weight)
+            lm.backward()
+            entry["text_loss"] = lm.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        cpu_seconds += time.process_time() - started
+        entry["cpu_minutes"] = cpu_seconds / 60
+        history["steps"].append(entry)
+        progress.set_postfix(answer_loss=f"{entry['answer_loss']:.3f}", cpu_min=f"{cpu_seconds / 60:.1f}")
+        done = step + 1 == options.max_steps or cpu_seconds / 60 >= options.max_cpu_minutes
+        if done or (options.eval_every and (step + 1) % options.eval_every == 0):
+            record_probe(step + 1)
+        if done:
+            break
+    model.eval()
+    history["cpu_minutes"] = cpu_seconds / 60
+    if output is not None:
+        write_history(history, output)
+    return history
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Output
+
+
+def write_history(history: dict, output: str | Path) -> None:
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "adapt.json").write_text(json.dumps(history, indent=1))
+    plot_curves([history], output / "adapt.png")
+
+
+def _smooth(values, window: int = 20):
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_curves(histories: list[dict], output: str | Path) -> Path:
+    """PNG: probe retrieval accuracy, attention shares and perplexity, and the answer loss, against CPU-minutes."""
+    from .plotting import pyplot, save_png
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
+    for index, history in enumerate(histories):
+        color, name = f"C{index}", history["name"]
+        probes = history["probes"]
+        minutes = [p["cpu_minutes"] for p in probes]
+        axes[0].plot(minutes, [p["accuracy"] for p in probes], "o-", color=color, label=name)
+        axes[1].plot(minutes, [p["answer_share"] for p in probes], "o-", color=color, label=f"{name}: answer")
+        axes[1].plot(minutes, [p["noise_share"] for p in probes], "s--", color=color, label=f"{name}: noise")
+        axes[2].plot(minutes, [p["perplexity"] for p in probes], "o-", color=color, label=name)
+        steps = history["steps"]
+        if steps:
+            axes[3].plot([s["cpu_minutes"] for s in steps], _smooth([s["answer_loss"] for s in steps]), color=color,
+                         label=name)
+    axes[0].set(xlabel="training CPU-minutes", ylabel="accuracy", title="held-out retrieval (probe)",
+                ylim=(-0.05, 1.05))
+    axes[1].set(xlabel="training CPU-minutes", ylabel="share of attention", title="attention: answer vs noise")
+    axes[2].set(xlabel="training CPU-minutes", ylabel="perplexity", title="held-out perplexity")
+    axes[3].set(xlabel="training CPU-minutes", ylabel="cross-entropy (20-step mean)", title="answer loss (training)")
+    axes[3].set_yscale("log")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:  # the first probe is written before any training step
+            ax.legend(fontsize=7)
+    return save_png(fig, output)
+
+
+def main(argv=None) -> int:
+    """`diff-llama adapt MODEL OUTPUT [options]`."""
+    from transformers import HfArgumentParser
+
+    from .retrieval import display_name, load_model
+
+    parser = HfArgumentParser(
+        AdaptationOptions, prog="diff-llama adapt",
+        description="Train any causal LM (a DiffLlama or its source LLaMA, for a fair comparison) on synthetic "
+        "multi-needle retrieval mixed with language modelling, with held-out probes of retrieval, attention "
+        "allocation and perplexity along the way. Writes the model, adapt.json and adapt.png into OUTPUT.",
+    )
+    parser.add_argument("model", metavar="MODEL", help="model folder (LLaMA or DiffLlama), .gguf file or 'smollm2'")
+    parser.add_argument("output", metavar="OUTPUT", help="folder for the trained model and the curves")
+    parser.add_argument("--name", default=None, help="label in the curves (default: the model's folder name)")
+    options, extra = parser.parse_args_into_dataclasses(argv, look_for_args_file=False)
+    output = Path(extra.output)
+    if output.exists() and any(output.iterdir()):
+        raise FileExistsError(f"{output} exists and is not empty; pick a new folder or remove it.")
+    model, tokenizer = load_model(extra.model)
+    name = extra.name or display_name(extra.model)
+    history = adapt(model, tokenizer, options, output, name=name)
+    if options.save:
+        # Written to a temporary folder first, then moved: a crash never leaves a half-saved model behind.
+        partial = output / ".partial"
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        for path in partial.iterdir():
+            path.replace(output / path.name)
+        partial.rmdir()
+    last = history["probes"][-1]
+    print(f"{name}: {len(history['steps'])} steps in {history['cpu_minutes']:.1f} CPU-minutes; probe accuracy "
+          f"{history['probes'][0]['accuracy']:.0%} -> {last['accuracy']:.0%}, perplexity "
+          f"{history['probes'][0]['perplexity']:.2f} -> {last['perplexity']:.2f}")
+    print(f"Wrote {output}")
+    return 0

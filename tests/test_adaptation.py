@@ -1,0 +1,118 @@
+"""`diff-llama adapt`: the retrieval training recipe (issue 10 part 3)."""
+
+import copy
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import tiny_model
+from diff_llama.adaptation import (
+    AdaptationOptions,
+    RetrievalExamples,
+    adapt,
+    answer_loss,
+    learning_rate_factor,
+    main,
+    training_sentences,
+)
+from diff_llama.retrieval import HELD_OUT_CITIES, TRAINING_CITIES, filler_sentences
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+SMALL = dict(min_length=300, max_length=450, max_needles=3, max_queries=2, text_block=64, eval_lengths=[400],
+             eval_settings=["2x1"], eval_cases=1, warmup_steps=1, threads=0)
+
+
+@pytest.fixture
+def chat_tokenizer(tokenizer):
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = CHAT_TEMPLATE
+    return chat
+
+
+def test_training_examples_share_nothing_with_the_evaluation(chat_tokenizer):
+    sentences = training_sentences()
+    assert len(sentences) > 500
+    assert not set(sentences) & set(filler_sentences(2000, seed=0))
+    assert not any(ch.isdigit() for s in sentences for ch in s)
+    examples = RetrievalExamples(chat_tokenizer, AdaptationOptions(**SMALL))
+    for _ in range(5):
+        ids, answer_tokens = examples.next()
+        text = chat_tokenizer.decode(ids)
+        # at most the drawn length; below it by less than a filler sentence (long ones in this tiny vocabulary)
+        assert SMALL["min_length"] // 2 <= len(ids) - answer_tokens <= SMALL["max_length"]
+        assert not any(f"magic number for {city} " in text or f"for {city}?" in text for city in HELD_OUT_CITIES)
+        assert any(f"magic number for {city} is" in text for city in TRAINING_CITIES)
+        answer = chat_tokenizer.decode(ids[-answer_tokens:])
+        assert answer.endswith(chat_tokenizer.eos_token)
+        numbers = answer.removesuffix(chat_tokenizer.eos_token).split(", ")
+        # every stated number is a needle of this prompt, stated in the context before the question
+        assert all(len(n) == 7 and f" is {n}." in text for n in numbers)
+
+
+def test_the_example_stream_depends_on_the_seed_alone(chat_tokenizer):
+    """Fairness: the source LLaMA and the converted model see exactly the same examples."""
+    first = RetrievalExamples(chat_tokenizer, AdaptationOptions(**SMALL))
+    second = RetrievalExamples(chat_tokenizer, AdaptationOptions(**SMALL))
+    other = RetrievalExamples(chat_tokenizer, AdaptationOptions(**{**SMALL, "seed": 1}))
+    stream = [first.next() for _ in range(3)]
+    assert stream == [second.next() for _ in range(3)]
+    assert stream != [other.next() for _ in range(3)]
+
+
+def test_answer_loss_is_the_cross_entropy_of_the_answer_tokens(tokenizer):
+    model = tiny_model(vocab_size=len(tokenizer)).double()
+    ids = torch.randint(3, len(tokenizer), (40,)).tolist()
+    logits = model(input_ids=torch.tensor([ids])).logits[0]
+    expected = torch.nn.functional.cross_entropy(logits[-6:-1], torch.tensor(ids[-5:]))
+    torch.testing.assert_close(answer_loss(model, ids, 5), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_learning_rate_warms_up_then_decays_to_zero():
+    options = AdaptationOptions(max_steps=10, warmup_steps=2)
+    factors = [learning_rate_factor(step, options) for step in range(10)]
+    assert factors[:2] == [0.5, 1.0]
+    assert all(a >= b for a, b in zip(factors[1:], factors[2:])) and factors[-1] == 1 / 8
+    assert learning_rate_factor(10, options) == 0.0
+
+
+def test_adapt_trains_every_part_of_a_diff_v2_model_and_writes_curves(tmp_path, chat_tokenizer):
+    model = tiny_model(vocab_size=len(chat_tokenizer), max_position_embeddings=1024, diff_version=2)
+    for layer in model.model.layers:  # start where a conversion starts: λ projection zero, pairs equal
+        layer.self_attn.differential_lambda.lambda_proj.weight.data.zero_()
+    before = copy.deepcopy(model.state_dict())
+    history = adapt(model, chat_tokenizer, AdaptationOptions(max_steps=3, eval_every=2, autocast="none", **SMALL),
+                    tmp_path, name="tiny")
+    assert [p["step"] for p in history["probes"]] == [0, 2, 3]
+    assert len(history["steps"]) == 3 and all("answer_loss" in s for s in history["steps"])
+    assert [("text_loss" in s) for s in history["steps"]] == [True, False, True]
+    assert history["cpu_minutes"] > 0
+    moved = {name for name, value in model.state_dict().items() if not torch.equal(value, before[name])}
+    assert all(any(f"layers.{i}.self_attn.differential_lambda.lambda_proj" in n for n in moved) for i in range(3))
+    assert "model.layers.0.self_attn.q_proj.weight" in moved and "lm_head.weight" in moved
+    saved = json.loads((tmp_path / "adapt.json").read_text())
+    assert saved["probes"][-1]["perplexity"] == history["probes"][-1]["perplexity"]
+    assert (tmp_path / "adapt.png").stat().st_size > 10_000
+
+
+def test_adapt_command_saves_a_model_that_reloads(tmp_path, chat_tokenizer, capsys):
+    source = tmp_path / "source"
+    tiny_model(vocab_size=len(chat_tokenizer), max_position_embeddings=1024).save_pretrained(source)
+    chat_tokenizer.save_pretrained(source)
+    output = tmp_path / "adapted"
+    flags = ["--max-steps", "2", "--eval-every", "0", "--autocast", "none"]
+    for key, value in SMALL.items():
+        flags += [f"--{key.replace('_', '-')}", *map(str, value if isinstance(value, list) else [value])]
+    assert main([str(source), str(output), *flags]) == 0
+    assert "2 steps" in capsys.readouterr().out
+    reloaded = AutoModelForCausalLM.from_pretrained(output)
+    assert not torch.equal(reloaded.model.layers[0].self_attn.q_proj.weight,
+                           AutoModelForCausalLM.from_pretrained(source).model.layers[0].self_attn.q_proj.weight)
+    assert {"adapt.json", "adapt.png", "config.json", "model.safetensors"} <= {p.name for p in output.iterdir()}
+    assert not (output / ".partial").exists()
+    with pytest.raises(FileExistsError, match="not empty"):
+        main([str(source), str(output), *flags])
