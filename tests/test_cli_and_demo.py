@@ -73,15 +73,16 @@ def test_console_help_lists_every_command_without_importing_torch():
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[-1] == "False"  # torch costs seconds to import
     assert all(name in result.stdout for name in COMMANDS)
-    # `evaluate` parses its own options (retrieval.RetrievalArguments); every other command is a COMMAND_SPECS entry
-    assert list(COMMAND_SPECS) and set(COMMAND_SPECS) | {"evaluate"} == set(COMMANDS)  # the overview lists what the parser runs
+    # `evaluate` and `adapt` parse their own options (RetrievalArguments, AdaptationOptions); the rest are COMMAND_SPECS
+    assert list(COMMAND_SPECS) and set(COMMAND_SPECS) | {"evaluate", "adapt"} == set(COMMANDS)  # the overview lists what the parser runs
 
 
 @pytest.mark.parametrize("command", [["generate", "{missing}", "Hello"], ["attention-map", "{missing}", "--text", "x",
                                      "--layer", "0"], ["train", "{missing}", "--data", "{missing}", "--output", "{out}"],
                                      ["recover", "{missing}", "--output", "{out}", "--source", "{missing}"],
                                      ["convert", "{missing}", "{out}"], ["generate", "./nowhere/model.gguf", "Hi"],
-                                     ["push", "{missing}", "alice/x"]])
+                                     ["push", "{missing}", "alice/x"], ["adapt", "{missing}", "{out}"],
+                                     ["evaluate", "{missing}"]])
 def test_a_missing_model_is_one_line_at_once(tmp_path, capsys, command):
     """A path that does not exist is never tried on the Hub (offline retries cost a minute, then a traceback)."""
     (tmp_path / "outputs").mkdir()

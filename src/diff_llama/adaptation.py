@@ -314,6 +314,7 @@ def main(argv=None) -> int:
     """`diff-llama adapt MODEL OUTPUT [options]`."""
     from transformers import HfArgumentParser
 
+    from .resolve import save_tokenizer
     from .retrieval import display_name, load_model
 
     parser = HfArgumentParser(
@@ -336,7 +337,7 @@ def main(argv=None) -> int:
         # Written to a temporary folder first, then moved: a crash never leaves a half-saved model behind.
         partial = output / ".partial"
         model.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
+        save_tokenizer(tokenizer, partial)
         for path in partial.iterdir():
             path.replace(output / path.name)
         partial.rmdir()

@@ -306,7 +306,7 @@ def _user_errors() -> tuple:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    prefix = f"{PROG}{' ' + argv[0] if argv and argv[0] in COMMAND_SPECS else ''}"
+    prefix = f"{PROG}{' ' + argv[0] if argv and argv[0] in SUMMARIES else ''}"
     try:
         return _run(argv)
     except SystemExit as exit:  # argparse: --help (0) or a usage error (2), already printed

@@ -382,23 +382,13 @@ class RetrievalArguments:
 
 
 def load_model(name: str, dtype: str = "float32", device: str = "cpu"):
-    """Model and tokenizer from a folder, a .gguf file, a Hub id, or 'smollm2'."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """Model and tokenizer from a folder, a .gguf file, a Hub id, or 'smollm2' (see `resolve.resolve_model`)."""
     import diff_llama  # noqa: F401  (registers DiffLlama with the Auto classes)
 
-    path = name
-    if name == "smollm2":
-        from .smollm2 import smollm2_gguf_path
+    from .resolve import load_causal_lm, load_tokenizer
 
-        path = str(smollm2_gguf_path())
-    kwargs = {}
-    if path.endswith(".gguf"):
-        kwargs["gguf_file"] = Path(path).name
-        path = str(Path(path).parent)
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="sdpa",
-                                                 **kwargs)
+    tokenizer = load_tokenizer(name)
+    model = load_causal_lm(name, dtype=getattr(torch, dtype), attn_implementation="sdpa")
     return model.to(device).eval(), tokenizer
 
 
@@ -648,12 +638,8 @@ def main(argv=None) -> int:
     parser.add_argument("models", nargs="+", metavar="MODEL",
                         help="model folder (LLaMA or DiffLlama), .gguf file, Hub id, or 'smollm2'")
     options, extra = parser.parse_args_into_dataclasses(argv, look_for_args_file=False)
-    try:
-        options.parsed_settings()
-        report = evaluate_models(extra.models, options)
-    except (ValueError, FileNotFoundError, NotImplementedError) as error:
-        print(f"diff-llama evaluate: error: {error}")
-        return 2
+    options.parsed_settings()  # a bad NxR fails before any model loads; `diff_llama.cli` prints errors in one line
+    report = evaluate_models(extra.models, options)
     print(markdown_report(report))
     print(f"Wrote {Path(options.output) / 'retrieval.json'}, retrieval.md and retrieval.png")
     return 0
