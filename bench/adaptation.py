@@ -38,8 +38,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", default="outputs/adapt", help="folder for the converted and trained models")
-    parser.add_argument("--steps", type=int, default=300, help="training steps per model")
-    parser.add_argument("--eval-every", type=int, default=100, help="steps between held-out probes")
+    parser.add_argument("--steps", type=int, default=150, help="training steps per model")
+    parser.add_argument("--eval-every", type=int, default=50, help="steps between held-out probes")
+    parser.add_argument("--max-length", type=int, default=1536, help="longest training example, in tokens")
     parser.add_argument("--lengths", nargs="+", default=["1024", "2048"], help="evaluation context lengths")
     parser.add_argument("--cases-per-depth", default="2", help="evaluation cases per (length, N x R, depth)")
     parser.add_argument("--skip-training", action="store_true", help="reuse the trained models in --work")
@@ -53,7 +54,7 @@ def main() -> None:
             subprocess.run([*cli, "convert", "smollm2", str(converted), "--diff-version", "2"], check=True)
         run_parallel(
             [[*cli, "adapt", source, str(work / folder), "--name", name, "--max-steps", str(args.steps),
-              "--eval-every", str(args.eval_every), "--threads", "1"]
+              "--eval-every", str(args.eval_every), "--max-length", str(args.max_length), "--threads", "1"]
              for source, folder, name in (("smollm2", "llama", "SmolLM2-135M-Instruct"),
                                           (str(converted), "v2", "DiffLlama-V2"))],
             [work / "llama.log", work / "v2.log"],

@@ -68,8 +68,8 @@ def tokenizer(tmp_path_factory):
     return tok
 
 
-# Conversion options that keep calibration and evaluation short on the tiny checkpoints below.
-FAST = dict(calibration_tokens=2048, eval_tokens=1024, seq_len=128)
+# Version 1 conversion options that keep calibration and evaluation short on the tiny checkpoints below.
+FAST = dict(diff_version=1, calibration_tokens=2048, eval_tokens=1024, seq_len=128)
 
 
 def make_llama(folder: Path, tokenizer, dtype=torch.float32, max_shard_size=None, seed=0, **overrides) -> Path:

@@ -137,3 +137,16 @@ def test_fine_tunes_like_its_source_and_recover_refuses(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="DIFF V2"):
         recover(str(tmp_path / "v2"), RecoveryOptions(output=str(tmp_path / "recovered"), source=str(source),
                                                       max_steps=1))
+
+
+def test_diff_v2_is_the_default_and_refuses_version_1_options(tmp_path, tokenizer, capsys):
+    source = make_llama(tmp_path / "llama", tokenizer)
+    assert ConversionOptions().diff_version == 2
+    assert main(["convert", str(source), str(tmp_path / "split"), "--head-layout", "split",
+                 "--calibration-tokens", "512"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--head-layout, --calibration-tokens only apply to a version 1" in err
+    assert "--diff-version 1" in err and not (tmp_path / "split").exists()
+    # `--calibration none` says what DIFF V2 does anyway, so it is accepted
+    assert main(["convert", str(source), str(tmp_path / "v2"), "--calibration", "none", "--no-evaluate"]) == 0
+    assert json.loads((tmp_path / "v2" / "config.json").read_text())["diff_version"] == 2

@@ -1,7 +1,7 @@
 """Every ```python block of README.md runs as written, each in a fresh namespace, on a tiny model.
 
 The blocks run in order in one scratch folder that holds what the README assumes a reader has: the main job's
-output folder `outputs/SmolLM2-135M-Instruct-diff` (here a tiny DiffLlama with a tokenizer), `corpus.txt`, and a LLaMA
+output folder `outputs/SmolLM2-135M-Instruct-diff` (here a tiny DIFF V2 DiffLlama with a tokenizer), `corpus.txt`, and a LLaMA
 at `path/to/llama`. A block that needs more (the real SmolLM2, a network) is skipped by
 putting `<!-- readme-test: skip (the reason) -->` on the line before its fence.
 """
@@ -37,7 +37,7 @@ def test_the_block_finder_sees_blocks_and_markers():
 def test_readme_python_blocks_run_as_written(tmp_path, monkeypatch, tokenizer):
     blocks = python_blocks(README.read_text(encoding="utf-8"))
     assert len(blocks) >= 5, "the README lost its examples (or the block finder broke)"
-    model = tiny_model(vocab_size=len(tokenizer))
+    model = tiny_model(vocab_size=len(tokenizer), diff_version=2)  # what the main job's conversion writes
     model.save_pretrained(tmp_path / "outputs" / "SmolLM2-135M-Instruct-diff")
     tokenizer.save_pretrained(tmp_path / "outputs" / "SmolLM2-135M-Instruct-diff")
     (tmp_path / "corpus.txt").write_text(SAMPLE_TEXT * 8)

@@ -89,18 +89,18 @@ class ConversionOptions:
     most faithful model."""
 
     head_layout: Literal["expand", "split"] = field(default="expand", metadata={"help": (
-        "expand: each LLaMA head gets its own differential head (2x attention width, keeps the LLaMA's quality); "
+        "version 1: expand: each LLaMA head gets its own differential head (2x attention width, keeps the LLaMA's quality); "
         "split: same width, LLaMA head i + H/2 becomes the second map of head i (loses more)")})
     pad_odd_heads: bool = field(default=True, metadata={"help": (
-        "with --head-layout split and an odd head count, add a KV group of zero heads (--no-pad-odd-heads refuses "
+        "version 1: with --head-layout split and an odd head count, add a KV group of zero heads (--no-pad-odd-heads refuses "
         "instead)")})
     lambda_start: Literal["zero", "paper"] = field(default="zero", metadata={"help": (
-        "zero: λ = 0 with a non-zero gradient; paper: λ vectors drawn from N(0, lambda_std_dev)")})
+        "version 1: zero: λ = 0 with a non-zero gradient; paper: λ vectors drawn from N(0, lambda_std_dev)")})
     calibration: Literal["lstsq", "scale", "none"] = field(default="lstsq", metadata={"help": (
-        "lstsq: refit each layer's o_proj by least squares; scale: per-head scale only; none: no text needed")})
+        "version 1: lstsq: refit each layer's o_proj by least squares; scale: per-head scale only; none: no text needed")})
     calibration_text: str | None = field(default=None, metadata={"help": (
-        "calibration text file (default: built-in English text, Python standard-library docstrings)")})
-    calibration_tokens: int = field(default=8192, metadata={"help": "tokens of calibration text to use"})
+        "version 1: calibration text file (default: built-in English text, Python standard-library docstrings)")})
+    calibration_tokens: int = field(default=8192, metadata={"help": "version 1: tokens of calibration text to use"})
     head_norm_headroom: float = field(default=0.01, metadata={"help": (
         "version 1: set each layer's head-norm epsilon to its heads' mean square / this, where the norm is nearly "
         "linear; weights keep the LLaMA's scale (0 keeps rms_norm_eps; larger is closer to the paper's regime, less "
@@ -113,9 +113,27 @@ class ConversionOptions:
     max_shard_size: str = field(default="2GB", metadata={"help": (
         "largest safetensors shard, e.g. 500MB or 5GB, as in save_pretrained (Python callers may give bytes)")})
     seed: int = field(default=0, metadata={"help": "seed of the λ vectors"})
-    diff_version: int = field(default=1, metadata={"choices": [1, 2], "help": (
-        "differential attention of the converted model: 1 = the paper's (default), 2 = DIFF V2 (Microsoft, 2026) "
-        "with an exact conversion")})
+    diff_version: int = field(default=2, metadata={"choices": [1, 2], "help": (
+        "differential attention of the converted model: 2 = DIFF V2 (Microsoft, 2026), an exact conversion (the "
+        "default); 1 = the paper's, calibrated (the options above marked version 1 apply to it only)")})
+
+
+# Options that shape only a version 1 conversion: given to a DIFF V2 conversion they would be silently ignored.
+VERSION_1_OPTIONS = ("head_layout", "pad_odd_heads", "lambda_start", "calibration", "calibration_text",
+                     "calibration_tokens", "head_norm_headroom")
+
+
+def check_version_options(options: ConversionOptions) -> None:
+    """Refuse version 1 options on a DIFF V2 conversion (`--calibration none` is allowed: V2 never calibrates)."""
+    if options.diff_version != 2:
+        return
+    defaults = ConversionOptions()
+    given = [name for name in VERSION_1_OPTIONS if getattr(options, name) != getattr(defaults, name)
+             and not (name == "calibration" and options.calibration == "none")]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise ConversionError(f"{flags} only apply to a version 1 conversion, and DIFF V2 (--diff-version 2) is the "
+                              "default; add --diff-version 1, or drop them.")
 
 
 @dataclass
@@ -262,6 +280,7 @@ def convert_llama_to_diff_llama(
         raise ConversionError(f"unknown lambda start {options.lambda_start!r}; use zero or paper.")
     if options.diff_version not in (1, 2):
         raise ConversionError(f"unknown diff version {options.diff_version!r}; use 1 (the paper's) or 2 (DIFF V2).")
+    check_version_options(options)
     target = AtomicOutputFolder(output, overwrite=overwrite)  # refuses an existing output before any work
 
     src = open_source(source)
