@@ -17,7 +17,9 @@ def converted(tmp_path_factory):
     from diff_llama.smollm2 import smollm2_gguf_path
 
     out = tmp_path_factory.mktemp("smollm2") / "diff"
-    report = convert_llama_to_diff_llama(str(smollm2_gguf_path()), str(out), ConversionOptions(), progress=False)
+    # version 1 (calibrated); DIFF V2, the default, has its own test below
+    report = convert_llama_to_diff_llama(str(smollm2_gguf_path()), str(out), ConversionOptions(diff_version=1),
+                                         progress=False)
     return out, report
 
 
@@ -71,3 +73,20 @@ def test_diff_v2_conversion_is_exact_on_smollm2(tmp_path):
     with torch.no_grad():
         difference = (converted(ids).logits - source(ids).logits).abs().max().item()
     assert difference <= 1e-3, difference
+
+
+def test_adapt_trains_and_saves_smollm2_from_its_gguf(tmp_path):
+    """`diff-llama adapt smollm2` saves the trained LLaMA: the GGUF loader's quantizer would refuse save_pretrained
+    although the weights were dequantized at load time."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from diff_llama.adaptation import main as adapt_main
+
+    out = tmp_path / "adapted"
+    assert adapt_main(["smollm2", str(out), "--max-steps", "1", "--eval-every", "0", "--eval-cases", "1",
+                       "--eval-settings", "1x1", "--eval-lengths", "256", "--min-length", "200", "--max-length", "300",
+                       "--text-block", "64", "--threads", "2"]) == 0
+    adapted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert adapted.config.model_type == "llama" and not hasattr(adapted.config, "quantization_config")
+    assert (out / "tokenizer.json").exists() and (out / "adapt.json").exists()

@@ -310,6 +310,18 @@ def plot_curves(histories: list[dict], output: str | Path) -> Path:
     return save_png(fig, output)
 
 
+def release_gguf_quantizer(model) -> None:
+    """A model loaded from a GGUF file keeps transformers' GGUF quantizer, which refuses `save_pretrained`, even when
+    its weights were dequantized into ordinary tensors at load time (as they must be, to train them). Those weights
+    save like any others: drop the quantizer then. Packed GGUF layers are left alone (and saving stays refused)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    if quantizer is None or getattr(method, "value", method) != "gguf":
+        return
+    if not any(type(module).__name__.startswith("Gguf") for module in model.modules()):
+        quantizer.remove_quantization_config(model)
+
+
 def main(argv=None) -> int:
     """`diff-llama adapt MODEL OUTPUT [options]`."""
     from transformers import HfArgumentParser
@@ -331,6 +343,7 @@ def main(argv=None) -> int:
     if output.exists() and any(output.iterdir()):
         raise FileExistsError(f"{output} exists and is not empty; pick a new folder or remove it.")
     model, tokenizer = load_model(extra.model)
+    release_gguf_quantizer(model)
     name = extra.name or display_name(extra.model)
     history = adapt(model, tokenizer, options, output, name=name)
     if options.save:
