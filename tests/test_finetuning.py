@@ -150,7 +150,8 @@ def test_lambda_floor_penalty_is_zero_only_above_the_floor():
 def test_recover_command_distils_from_the_source(tmp_path, tokenizer, lora, budget, capsys):
     source = make_llama(tmp_path / "llama", tokenizer)
     converted = tmp_path / "diff"
-    assert main(["convert", str(source), str(converted), "--calibration-tokens", "1024", "--eval-tokens", "1024"]) == 0
+    assert main(["convert", str(source), str(converted), "--diff-version", "1", "--calibration-tokens", "1024",
+                 "--eval-tokens", "1024"]) == 0
     out = tmp_path / "recovered"
     args = ["recover", str(converted), "--output", str(out), *budget, "--block-size", "32",
             "--batch-size", "2", "--lambda-floor", "0.3", "--lambda-learning-rate", "1e-2"] + (["--lora"] if lora else [])

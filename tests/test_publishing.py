@@ -16,7 +16,8 @@ from diff_llama.publishing import check_publishable, files_to_upload, push
 def converted(tmp_path, tokenizer):
     source = make_llama(tmp_path / "llama", tokenizer)
     out = tmp_path / "diff"
-    assert main(["convert", str(source), str(out), "--calibration-tokens", "1024", "--eval-tokens", "1024"]) == 0
+    assert main(["convert", str(source), str(out), "--diff-version", "1", "--calibration-tokens", "1024",
+                 "--eval-tokens", "1024"]) == 0
     (out / "checkpoint-5").mkdir()  # training leftovers must not be uploaded
     (out / "checkpoint-5" / "optimizer.pt").write_bytes(b"x")
     return out

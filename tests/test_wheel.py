@@ -59,7 +59,7 @@ def test_installed_wheel_converts_generates_and_loads_as_remote_code(wheel_env, 
 
     source = make_llama(tmp_path / "llama", tokenizer, num_hidden_layers=2)
     out = tmp_path / "diff"
-    converted = _run(["diff-llama", "convert", str(source), str(out), "--calibration-tokens", "1024",
+    converted = _run(["diff-llama", "convert", str(source), str(out), "--diff-version", "1", "--calibration-tokens", "1024",
                       "--eval-tokens", "1024", "--seq-len", "128"], env=env, cwd=tmp_path)
     assert "held-out perplexity" in converted.stdout
     generated = _run(["diff-llama", "generate", str(out), "The quick brown", "--max-new-tokens", "5", "--raw"],

@@ -132,8 +132,9 @@ def check_version_options(options: ConversionOptions) -> None:
              and not (name == "calibration" and options.calibration == "none")]
     if given:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
-        raise ConversionError(f"{flags} only apply to a version 1 conversion, and DIFF V2 (--diff-version 2) is the "
-                              "default; add --diff-version 1, or drop them.")
+        verb, pronoun = ("applies", "it") if len(given) == 1 else ("apply", "them")
+        raise ConversionError(f"{flags} only {verb} to a version 1 conversion, and DIFF V2 (--diff-version 2) is the "
+                              f"default; add --diff-version 1, or drop {pronoun}.")
 
 
 @dataclass
