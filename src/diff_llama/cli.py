@@ -124,7 +124,8 @@ def _train(model, options) -> int:
     from .training import train
 
     output = train(model, options)
-    print(f"Saved the {'adapter' if options.lora and not options.merge else 'model'} to {output}")
+    if int(os.environ.get("RANK", "0")) == 0:  # one line for a multi-process launch too
+        print(f"Saved the {'adapter' if options.lora and not options.merge else 'model'} to {output}")
     return 0
 
 

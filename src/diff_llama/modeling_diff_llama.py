@@ -22,6 +22,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import WeightRenaming
+from transformers.dynamic_module_utils import custom_object_save
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import (
@@ -667,6 +668,22 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
         "attentions": [DiffLlamaAttention, DiffLlamaV2Attention],
     }
 
+    @classmethod
+    def is_remote_code(cls) -> bool:
+        # FSDP2 (`fully_shard`) swaps a model's class for a subclass defined in torch's own files; transformers would
+        # copy those files into the saved folder and name that subclass in config.json's auto_map. For such a class,
+        # `save_pretrained` below copies this file instead (config.json's auto_map is always the full AUTO_MAP).
+        return super().is_remote_code() and cls.__module__ == DiffLlamaPreTrainedModel.__module__
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        cls = type(self)
+        if cls._auto_class is not None and not cls.is_remote_code():
+            if self.should_save_on_this_rank(kwargs.get("is_main_process", True)):
+                defined_here = next(c for c in cls.__mro__ if c.__module__ == DiffLlamaPreTrainedModel.__module__)
+                custom_object_save(defined_here.__new__(defined_here), save_directory)
+        return result
+
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -790,6 +807,7 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
 class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
+    _fsdp_plan = {"lm_head": "keep_full_weight"}
 
     def __init__(self, config: DiffLlamaConfig):
         super().__init__(config)
