@@ -73,8 +73,9 @@ def test_console_help_lists_every_command_without_importing_torch():
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[-1] == "False"  # torch costs seconds to import
     assert all(name in result.stdout for name in COMMANDS)
-    # `evaluate` parses its own options (retrieval.RetrievalArguments); every other command is a COMMAND_SPECS entry
-    assert list(COMMAND_SPECS) and set(COMMAND_SPECS) | {"evaluate"} == set(COMMANDS)  # the overview lists what the parser runs
+    # `evaluate` (retrieval.RetrievalArguments) and `serve` (transformers serve's) parse their own options; every other
+    # command is a COMMAND_SPECS entry
+    assert list(COMMAND_SPECS) and set(COMMAND_SPECS) | {"evaluate", "serve"} == set(COMMANDS)  # the overview lists what the parser runs
 
 
 @pytest.mark.parametrize("command", [["generate", "{missing}", "Hello"], ["attention-map", "{missing}", "--text", "x",

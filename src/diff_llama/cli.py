@@ -288,7 +288,7 @@ def build_parser():
     # Subparsers are HfArgumentParsers too (argparse uses the parent's class), so each takes its dataclasses.
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, summary in SUMMARIES.items():
-        if name not in COMMAND_SPECS:  # `evaluate` parses its own options (see _run)
+        if name not in COMMAND_SPECS:  # `evaluate` and `serve` parse their own options (see _run)
             continue
         spec = COMMAND_SPECS[name]
         sub = commands.add_parser(name, help=summary, description=spec.description or summary,
@@ -332,6 +332,10 @@ def _run(argv) -> int:
         from .retrieval import main as evaluate_main
 
         return evaluate_main(argv[1:])
+    if argv[:1] == ["serve"]:  # transformers serve's own options (typer)
+        from .serving import main as serve_main
+
+        return serve_main(argv[1:])
     args = vars(build_parser().parse_args(argv))  # argparse exits with code 2 and a usage line on bad options
     spec = COMMAND_SPECS[args.pop("command")]
     positional_values = [args.pop(name) for name, _ in spec.positionals]
