@@ -114,17 +114,26 @@ class DiffLlamaLambda(nn.Module):
         return torch.exp(dot1) - torch.exp(dot2) + self.lambda_init
 
 
+class DiffLlamaFloat32Linear(nn.Linear):
+    """nn.Linear computed in float32 or wider, whatever the dtype of its weight and input."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(hidden_states.dtype, torch.float32)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return nn.functional.linear(hidden_states.to(dtype), self.weight.to(dtype), bias)
+
+
 class DiffLlamaV2Lambda(nn.Module):
     """DIFF V2's λ: sigmoid(lambda_proj(x)) per token and differential head, from the attention block's input."""
 
     def __init__(self, hidden_size: int, num_differential_heads: int):
         super().__init__()
-        self.lambda_proj = nn.Linear(hidden_size, num_differential_heads, bias=False)
+        self.lambda_proj = DiffLlamaFloat32Linear(hidden_size, num_differential_heads, bias=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """(batch, seq, h) in float32 or wider: the subtraction it weights cancels much of the signal."""
-        dtype = torch.promote_types(hidden_states.dtype, torch.float32)
-        return torch.sigmoid(nn.functional.linear(hidden_states.to(dtype), self.lambda_proj.weight.to(dtype)))
+        """(batch, seq, h) in float32 or wider: the subtraction it weights cancels much of the signal. `lambda_proj`
+        is called, not read: offloading hooks (`device_map` with disk or CPU offload) bring its weight in on call."""
+        return torch.sigmoid(self.lambda_proj(hidden_states))
 
 
 def eager_attention_forward(
