@@ -1,5 +1,6 @@
 """Tensor parallelism: `from_pretrained(..., tp_plan="auto")` under `torchrun --nproc_per_node 2` (gloo, CPU) computes
-the unsharded model's logits and greedy tokens for every head layout, or refuses a layout it cannot split."""
+the unsharded model's logits, greedy tokens and training gradients for every head layout, or refuses a layout it
+cannot split."""
 
 import json
 import os
@@ -21,11 +22,11 @@ SRC = str(Path(diff_llama.__file__).parent.parent)
 # name -> config overrides; every layout the plan distinguishes, on 2 ranks.
 LAYOUTS = {
     "v1_even_g4_bias": dict(num_attention_heads=8, num_key_value_heads=4, attention_bias=True),  # k/v split as halves
-    "v1_even_g2": dict(num_attention_heads=8, num_key_value_heads=2),  # G/2 = 1 head: k/v replicated
     "v1_odd_g3": dict(num_attention_heads=12, num_key_value_heads=3),
     "v1_mqa_g1": dict(num_attention_heads=8, num_key_value_heads=1),
     "v2_g2": dict(num_attention_heads=8, num_key_value_heads=2, diff_version=2),
     "v2_mqa_g1": dict(num_attention_heads=8, num_key_value_heads=1, diff_version=2),
+    "v1_tied_g2": dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True),  # G/2 = 1: k/v replicated
     "v1_refused_h6": dict(num_attention_heads=6, num_key_value_heads=3),  # 3 pairs cannot split over 2 ranks
 }
 
@@ -44,7 +45,11 @@ def _save_models(folder: Path, names):
             logits = model(input_ids).logits
             tokens = model.generate(input_ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
         model.save_pretrained(folder / name)
-        references[name] = (logits, tokens.tolist())
+        model.train()
+        loss = model(input_ids, labels=input_ids).loss
+        loss.backward()
+        gradients = {param_name: param.grad for param_name, param in model.named_parameters()}
+        references[name] = (logits, tokens.tolist(), loss.detach(), gradients)
     return references
 
 
@@ -71,6 +76,12 @@ def _check(folder, references, results, name):
         logits = torch.load(folder / f"{name}.rank{rank}.logits.pt")
         torch.testing.assert_close(logits, references[name][0], atol=1e-5, rtol=0)
         assert got["tokens"] == references[name][1]
+        # Training under tensor parallel: the same loss and gradients (replicated weights' partial gradients summed).
+        step = torch.load(folder / f"{name}.rank{rank}.grads.pt")
+        torch.testing.assert_close(step["loss"], references[name][2], atol=1e-5, rtol=0)
+        assert step["gradients"].keys() == references[name][3].keys()
+        for param_name, gradient in references[name][3].items():
+            torch.testing.assert_close(step["gradients"][param_name], gradient, atol=1e-5, rtol=0, msg=param_name)
 
 
 def test_tensor_parallel_matches_unsharded_for_every_layout(tmp_path):

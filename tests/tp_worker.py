@@ -1,5 +1,6 @@
 """Run under `torchrun --nproc_per_node N` (gloo, CPU): load every model folder given with `tp_plan="auto"` and write
-what the sharded model computes, for tests/test_tensor_parallel.py to compare with the unsharded model."""
+what the sharded model computes (logits, greedy tokens, a training step's gradients), for
+tests/test_tensor_parallel.py to compare with the unsharded model."""
 
 import json
 import os
@@ -42,6 +43,15 @@ def main(out_dir, folders):
             logits = model(input_ids).logits
             tokens = model.generate(input_ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
         torch.save(logits, os.path.join(out_dir, f"{name}.rank{rank}.logits.pt"))
+        # One training step's loss and gradients (gathered whole), on the same tokens.
+        model.train()
+        loss = model(input_ids, labels=input_ids).loss
+        loss.backward()
+        gradients = {}
+        for param_name, param in model.named_parameters():
+            grad = param.grad
+            gradients[param_name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+        torch.save({"loss": loss.detach(), "gradients": gradients}, os.path.join(out_dir, f"{name}.rank{rank}.grads.pt"))
         results[name] = {
             "class": f"{type(model).__module__}.{type(model).__name__}",
             "tokens": tokens.tolist(),

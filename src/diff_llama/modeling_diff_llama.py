@@ -532,7 +532,7 @@ if is_torch_distributed_available():
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
-    from transformers.distributed.tensor_parallel import TensorParallelLayer
+    from transformers.distributed.tensor_parallel import ReplicatedWithGradAllReduce, TensorParallelLayer
 
     class _SumGradientAcrossRanks(torch.autograd.Function):
         """Identity forward; backward sums the gradient over the TP group (each rank's heads give a part of it)."""
@@ -593,7 +593,8 @@ if is_torch_distributed_available():
 
     class DiffLlamaHeadsParallel(TensorParallelLayer):
         """Plan style of q/k/v (and DIFF V2's lambda_proj): splits the output rows as the attention style decided
-        (packed halves, one block, or not at all). The layer runs inside the attention's forward on local weights."""
+        (packed halves, one block, or not at all). The layer runs inside the attention's forward on local weights;
+        replicated ones get their gradients summed over the ranks."""
 
         def shard_param(self, module, param, mesh):
             meta = module._parameters.get(param)
@@ -612,6 +613,9 @@ if is_torch_distributed_available():
             )
 
         def install_forward(self, module, mesh):
+            if module.tp_split is None:
+                # Replicated weights, each rank using some of their heads: training sums their gradients over ranks.
+                return ReplicatedWithGradAllReduce().install_forward(module, mesh)
             return module
 
     ALL_PARALLEL_STYLES.register("diff_llama_attention", DiffLlamaAttentionParallel())
