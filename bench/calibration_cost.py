@@ -13,7 +13,7 @@ cost) is written, then converted in a fresh process, one torch thread, under `ni
 with wall time, CPU time (user + system) and peak RSS of the converting process.
 
 Usage: python bench/calibration_cost.py [--shape llama3-8b] [--layers 2] [--calibration-tokens 2048]
-Writes bench/results/calibration_cost.json (and prints it).
+Writes bench/results/calibration_cost_SHAPE_TOKENS.json (and prints it).
 """
 
 import argparse
@@ -41,12 +41,13 @@ from diff_llama.conversion import calibration, converter
 from diff_llama.conversion.converter import ConversionOptions, convert_llama_to_diff_llama
 
 source, output, version, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-calibrate_seconds, layer_marks = [], []
+calibrate_seconds, calibrate_cpu_seconds = [], []
 original_calibrate = calibration.LayerwiseRunner.calibrate
 def timed_calibrate(self, *args, **kwargs):
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     result = original_calibrate(self, *args, **kwargs)
     calibrate_seconds.append(time.perf_counter() - started)
+    calibrate_cpu_seconds.append(time.process_time() - started_cpu)
     return result
 calibration.LayerwiseRunner.calibrate = timed_calibrate
 options = ConversionOptions(diff_version=version, evaluate=False, calibration_tokens=tokens, seq_len=512,
@@ -57,7 +58,8 @@ report = convert_llama_to_diff_llama(source, output, options, progress=False)
 wall = time.perf_counter() - started
 usage = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "cpu_in_call_s": time.process_time() - cpu,
-                  "peak_rss_gb": usage.ru_maxrss / 2**20, "calibrate_s": calibrate_seconds}))
+                  "peak_rss_gb": usage.ru_maxrss / 2**20, "calibrate_s": calibrate_seconds,
+                  "calibrate_cpu_s": calibrate_cpu_seconds}))
 '''
 
 
@@ -107,7 +109,7 @@ def main():
     record = {"shape": args.shape, **SHAPES[args.shape], "layers": args.layers, "layer_bytes_bf16": layer_bytes,
               "calibration_tokens": args.calibration_tokens, "seq_len": 512, "threads": 1, "runs": runs,
               "load_average_after": os.getloadavg()}
-    out = RESULTS / f"calibration_cost_{args.shape}.json"
+    out = RESULTS / f"calibration_cost_{args.shape}_{args.calibration_tokens}.json"
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(record, indent=1))
 
