@@ -20,6 +20,7 @@ COMMANDS = {
     "attention-map": "write PNG heatmaps of A1, A2 and A1 − λA2 (or a LLaMA's softmax maps) for one layer",
     "adapt": "train a DiffLlama (or its source LLaMA, to compare) on long-context retrieval mixed with text",
     "evaluate": "multi-needle retrieval and attention allocation of any causal LM(s), plus held-out perplexity",
+    "serve": "serve a model over HTTP with the OpenAI API (transformers serve, loading DiffLlama models correctly)",
     "push": "upload a model folder (weights, remote code, tokenizer, model card) to the Hugging Face Hub",
     "export-builtin": "save a DiffLlama for transformers' built-in DiffLlamaForCausalLM (even KV heads only)",
     "demo": "train a small fresh DiffLlama on offline text, save, reload and generate (about a minute on CPU)",

@@ -9,6 +9,7 @@ Errors reach the terminal as one line: exit code 2 for a problem with the input 
 model that cannot be used this way), 1 for anything unexpected (set DIFF_LLAMA_TRACEBACK=1 to see its traceback).
 """
 
+import importlib
 import os
 import sys
 from dataclasses import dataclass, field, fields
@@ -124,7 +125,8 @@ def _train(model, options) -> int:
     from .training import train
 
     output = train(model, options)
-    print(f"Saved the {'adapter' if options.lora and not options.merge else 'model'} to {output}")
+    if int(os.environ.get("RANK", "0")) == 0:  # one line for a multi-process launch too
+        print(f"Saved the {'adapter' if options.lora and not options.merge else 'model'} to {output}")
     return 0
 
 
@@ -287,7 +289,7 @@ def build_parser():
     # Subparsers are HfArgumentParsers too (argparse uses the parent's class), so each takes its dataclasses.
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, summary in SUMMARIES.items():
-        if name not in COMMAND_SPECS:  # `evaluate` and `adapt` parse their own options (see _run)
+        if name not in COMMAND_SPECS:  # the SELF_PARSING commands parse their own options (see _run)
             continue
         spec = COMMAND_SPECS[name]
         sub = commands.add_parser(name, help=summary, description=spec.description or summary,
@@ -326,15 +328,14 @@ def main(argv=None) -> int:
         return 1
 
 
+# Commands that declare and parse their own options, each in the module that runs it: `evaluate` and `adapt`
+# (HfArgumentParser dataclasses RetrievalArguments, AdaptationOptions) and `serve` (transformers serve's options).
+SELF_PARSING = {"evaluate": "retrieval", "adapt": "adaptation", "serve": "serving"}
+
+
 def _run(argv) -> int:
-    if argv[:1] == ["evaluate"]:  # its options are declared once, in retrieval.RetrievalArguments (HfArgumentParser)
-        from .retrieval import main as evaluate_main
-
-        return evaluate_main(argv[1:])
-    if argv[:1] == ["adapt"]:  # likewise: options in adaptation.AdaptationOptions
-        from .adaptation import main as adapt_main
-
-        return adapt_main(argv[1:])
+    if argv[:1] and argv[0] in SELF_PARSING:
+        return importlib.import_module(f".{SELF_PARSING[argv[0]]}", __package__).main(argv[1:])
     args = vars(build_parser().parse_args(argv))  # argparse exits with code 2 and a usage line on bad options
     spec = COMMAND_SPECS[args.pop("command")]
     positional_values = [args.pop(name) for name, _ in spec.positionals]

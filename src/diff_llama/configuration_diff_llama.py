@@ -114,6 +114,27 @@ class DiffLlamaConfig(PreTrainedConfig):
         kwargs.pop("model_type", None)
         super().__init__(**kwargs)
 
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """Tensor-parallel plan (`tp_plan="auto"`). The attention styles are defined in the modeling file: version 1
+        splits q/k/v as packed halves (maps i and i + H/2 on one rank), DIFF V2 as blocks of adjacent pairs; λ of
+        version 1 is replicated. A layout the TP size cannot split is refused when the model is sharded."""
+        plan = {
+            "layers.*.self_attn": "diff_llama_attention",
+            "layers.*.self_attn.q_proj": "diff_llama_heads",
+            "layers.*.self_attn.k_proj": "diff_llama_heads",
+            "layers.*.self_attn.v_proj": "diff_llama_heads",
+            "layers.*.self_attn.o_proj": "rowwise",
+            "layers.*.mlp.gate_proj": "colwise",
+            "layers.*.mlp.up_proj": "colwise",
+            "layers.*.mlp.down_proj": "rowwise",
+        }
+        if self.diff_version == 2:
+            plan["layers.*.self_attn.differential_lambda.lambda_proj"] = "diff_llama_heads"
+        else:
+            plan["layers.*.self_attn.differential_lambda"] = "replicated_with_grad_allreduce"
+        return plan
+
     def head_norm_epsilon(self, layer_idx: int) -> float:
         """Epsilon of layer `layer_idx`'s per-head RMSNorm (version 1)."""
         eps = self.head_norm_eps

@@ -10,6 +10,7 @@ Imports only torch, transformers and the sibling configuration file, so that a s
 loads as remote code (`trust_remote_code=True`) where this package is not installed.
 """
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -21,6 +22,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import WeightRenaming
+from transformers.dynamic_module_utils import custom_object_save
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import (
@@ -40,7 +42,7 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import TransformersKwargs, can_return_tuple, is_torch_distributed_available
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -112,17 +114,26 @@ class DiffLlamaLambda(nn.Module):
         return torch.exp(dot1) - torch.exp(dot2) + self.lambda_init
 
 
+class DiffLlamaFloat32Linear(nn.Linear):
+    """nn.Linear computed in float32 or wider, whatever the dtype of its weight and input."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(hidden_states.dtype, torch.float32)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return nn.functional.linear(hidden_states.to(dtype), self.weight.to(dtype), bias)
+
+
 class DiffLlamaV2Lambda(nn.Module):
     """DIFF V2's λ: sigmoid(lambda_proj(x)) per token and differential head, from the attention block's input."""
 
     def __init__(self, hidden_size: int, num_differential_heads: int):
         super().__init__()
-        self.lambda_proj = nn.Linear(hidden_size, num_differential_heads, bias=False)
+        self.lambda_proj = DiffLlamaFloat32Linear(hidden_size, num_differential_heads, bias=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """(batch, seq, h) in float32 or wider: the subtraction it weights cancels much of the signal."""
-        dtype = torch.promote_types(hidden_states.dtype, torch.float32)
-        return torch.sigmoid(nn.functional.linear(hidden_states.to(dtype), self.lambda_proj.weight.to(dtype)))
+        """(batch, seq, h) in float32 or wider: the subtraction it weights cancels much of the signal. `lambda_proj`
+        is called, not read: offloading hooks (`device_map` with disk or CPU offload) bring its weight in on call."""
+        return torch.sigmoid(self.lambda_proj(hidden_states))
 
 
 def eager_attention_forward(
@@ -230,6 +241,14 @@ class CausalPairedAttentionCPU(torch.autograd.Function):
         return grad_query[..., :head_dim], grad_key[..., :head_dim], grad_value, None
 
 
+def select_heads(
+    key_states: torch.Tensor, value_states: torch.Tensor, heads: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key/value heads `heads` (in that order, repeats allowed) of (batch, G, seq, d) keys and values."""
+    index = torch.tensor(heads, device=key_states.device)
+    return key_states.index_select(1, index), value_states.index_select(1, index)
+
+
 class DiffLlamaAttention(nn.Module):
     """Differential attention: out_i = (1 - λ_init) * RMSNorm((A1 - λ A2) V_i) for differential head i.
 
@@ -252,6 +271,8 @@ class DiffLlamaAttention(nn.Module):
         query_heads_per_kv = config.num_attention_heads // config.num_key_value_heads
         self.num_key_value_groups = math.gcd(query_heads_per_kv, config.num_attention_heads // 2)
         self.kv_expansion = query_heads_per_kv // self.num_key_value_groups
+        # Set by tensor parallelism when each rank keeps only some of the (replicated) key/value heads.
+        self.tp_key_value_heads: tuple[int, ...] | None = None
 
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.attention_bias)
         self.k_proj = nn.Linear(
@@ -282,6 +303,9 @@ class DiffLlamaAttention(nn.Module):
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if self.tp_key_value_heads is not None:
+            # Tensor parallel with replicated k/v projections: keep the key/value heads this rank's queries read.
+            key_states, value_states = select_heads(key_states, value_states, self.tp_key_value_heads)
 
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
@@ -384,6 +408,8 @@ class DiffLlamaV2Attention(nn.Module):
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         self.is_causal = True
+        # Set by tensor parallelism when each rank keeps only some of the (replicated) key/value heads.
+        self.tp_key_value_heads: tuple[int, ...] | None = None
 
         self.q_proj = nn.Linear(
             config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias
@@ -413,6 +439,9 @@ class DiffLlamaV2Attention(nn.Module):
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if self.tp_key_value_heads is not None:
+            # Tensor parallel with replicated k/v projections: keep the key/value heads this rank's queries read.
+            key_states, value_states = select_heads(key_states, value_states, self.tp_key_value_heads)
 
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
@@ -434,7 +463,7 @@ class DiffLlamaV2Attention(nn.Module):
             **kwargs,
         )
         # (batch, seq, H, d) -> (batch, seq, h, 2 maps, d): maps 2i and 2i + 1 are differential head i's pair.
-        pairs = attn_output.reshape(*input_shape, self.num_differential_heads, 2, self.head_dim)
+        pairs = attn_output.reshape(*input_shape, -1, 2, self.head_dim)  # -1: this rank's heads under tensor parallel
         lambdas = self.differential_lambda(hidden_states)[..., None]
         differential = pairs[..., 0, :].to(lambdas.dtype) - lambdas * pairs[..., 1, :].to(lambdas.dtype)
         attn_output = self.o_proj(differential.to(hidden_states.dtype).reshape(*input_shape, -1))
@@ -452,6 +481,145 @@ class DiffLlamaV2Attention(nn.Module):
         dtype = torch.promote_types(maps.dtype, torch.float32)
         first, second = cls.pair_maps(maps.to(dtype))
         return first - lambdas.to(dtype).transpose(1, 2)[..., None] * second  # λ as (batch, h, q, 1)
+
+
+# Tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun). Each rank computes whole differential
+# heads: version 1 pairs map i with map i + H/2, so a rank takes the same slice of both halves of the query heads
+# (a packed split); DIFF V2 pairs adjacent maps, so a plain split keeps pairs whole. Keys and values are split the same
+# way where the key/value heads divide evenly; otherwise every rank computes them all and keeps those its queries read.
+
+
+def tensor_parallel_layout(config: DiffLlamaConfig, tp_size: int, rank: int) -> dict:
+    """How rank `rank` of `tp_size` splits one attention layer: `query` and `key_value` name the split of the
+    projection rows ("packed": the same slice of each half; "contiguous": one block; None: not split), and
+    `key_value_heads` the key/value heads (before RoPE) a rank keeps when `key_value` is None. Raises ValueError for a
+    layout that cannot be split over `tp_size` ranks."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    pairs, group = heads // 2, heads // kv_heads
+    usable = [size for size in range(1, pairs + 1) if pairs % size == 0]
+    if pairs % tp_size:
+        pairing = (
+            "maps i and i + H/2 (version 1) are split as packed halves"
+            if config.diff_version == 1
+            else "maps 2i and 2i + 1 (DIFF V2) stay on one rank"
+        )
+        raise ValueError(
+            f"Tensor parallel over {tp_size} ranks cannot split this DiffLlama: each rank must hold whole differential "
+            f"heads ({pairing}), so num_attention_heads / 2 = {pairs} must be divisible by the TP size. Use a TP size in "
+            f"{usable} (e.g. `torchrun --nproc_per_node {max(s for s in usable if s <= tp_size)}`)."
+        )
+    local_pairs = pairs // tp_size
+    if config.diff_version == 1:
+        even = kv_heads % 2 == 0 and (kv_heads // 2) % tp_size == 0
+        # This rank's query heads: its slice of the first half, then the same slice of the second half.
+        local = [half * pairs + rank * local_pairs + j for half in (0, 1) for j in range(local_pairs)]
+        local_group = group if even else math.gcd(group, local_pairs)
+        layout = {"query": "packed", "key_value": "packed" if even else None}
+    else:
+        even = kv_heads % tp_size == 0
+        local = list(range(rank * 2 * local_pairs, (rank + 1) * 2 * local_pairs))
+        local_group = group if even else math.gcd(group, 2 * local_pairs)
+        layout = {"query": "contiguous", "key_value": "contiguous" if even else None}
+    # Each kept key/value head serves `local_group` consecutive local query heads, all in one GQA group.
+    layout["key_value_heads"] = None if even else tuple(head // group for head in local[::local_group])
+    layout["num_key_value_groups"] = local_group
+    return layout
+
+
+if is_torch_distributed_available():
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+    from transformers.distributed.tensor_parallel import ReplicatedWithGradAllReduce, TensorParallelLayer
+
+    class _SumGradientAcrossRanks(torch.autograd.Function):
+        """Identity forward; backward sums the gradient over the TP group (each rank's heads give a part of it)."""
+
+        @staticmethod
+        def forward(ctx, hidden_states, group):
+            ctx.group = group
+            return hidden_states.view_as(hidden_states)
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            grad_output = grad_output.contiguous()
+            dist.all_reduce(grad_output, group=ctx.group)
+            return grad_output, None
+
+    class DiffLlamaAttentionParallel(TensorParallelLayer):
+        """Plan style of the attention module (`layers.*.self_attn`): checks that the layout splits over the TP
+        size, tells the projections how to split (`diff_llama_heads`), records which key/value heads this rank keeps,
+        and runs the attention on this rank's local weights. `o_proj` keeps its own `rowwise` style."""
+
+        def install_forward(self, module, mesh):
+            layout = tensor_parallel_layout(module.config, mesh.size(), mesh.get_local_rank())
+            module.q_proj.tp_split = layout["query"]
+            module.k_proj.tp_split = module.v_proj.tp_split = layout["key_value"]
+            if isinstance(module, DiffLlamaV2Attention):
+                module.differential_lambda.lambda_proj.tp_split = "contiguous"  # one λ per pair, as the queries
+            else:
+                module.kv_expansion = 1
+            module.num_key_value_groups = layout["num_key_value_groups"]
+            module.tp_key_value_heads = layout["key_value_heads"]
+            module.tp_local_modules = [
+                sub for name, sub in module.named_modules() if name != "o_proj" and not name.startswith("o_proj.")
+            ]
+            return super().install_forward(module, mesh)
+
+        def transform_inputs_pre_forward(self, module, args, kwargs, mesh):
+            if torch.is_grad_enabled():
+                group = mesh.get_group()
+                if args:
+                    args = (_SumGradientAcrossRanks.apply(args[0], group), *args[1:])
+                elif "hidden_states" in kwargs:
+                    kwargs = {**kwargs, "hidden_states": _SumGradientAcrossRanks.apply(kwargs["hidden_states"], group)}
+            return args, kwargs
+
+        @contextlib.contextmanager
+        def context_around_forward(self, module, mesh):
+            swapped = []
+            for sub in module.tp_local_modules:
+                for name, param in list(sub._parameters.items()):
+                    if isinstance(param, DTensor):
+                        sub._parameters[name] = param.to_local()
+                        swapped.append((sub, name, param))
+            try:
+                yield
+            finally:
+                for sub, name, param in swapped:
+                    sub._parameters[name] = param
+
+    class DiffLlamaHeadsParallel(TensorParallelLayer):
+        """Plan style of q/k/v (and DIFF V2's lambda_proj): splits the output rows as the attention style decided
+        (packed halves, one block, or not at all). The layer runs inside the attention's forward on local weights;
+        replicated ones get their gradients summed over the ranks."""
+
+        def shard_param(self, module, param, mesh):
+            meta = module._parameters.get(param)
+            if meta is None:
+                return
+            if not hasattr(module, "tp_split"):
+                raise ValueError(
+                    "The `diff_llama_heads` tensor-parallel style needs its attention module planned as "
+                    "`diff_llama_attention` (`layers.*.self_attn`), which decides how the heads split."
+                )
+            if module.tp_split is None:
+                return  # every rank loads the whole weight and keeps the heads it needs
+            placement = _StridedShard(0, split_factor=2) if module.tp_split == "packed" else Shard(0)
+            module._parameters[param] = nn.Parameter(
+                distribute_tensor(meta, mesh, [placement], src_data_rank=None), requires_grad=meta.requires_grad
+            )
+
+        def install_forward(self, module, mesh):
+            if module.tp_split is None:
+                # Replicated weights, each rank using some of their heads: training sums their gradients over ranks.
+                return ReplicatedWithGradAllReduce().install_forward(module, mesh)
+            return module
+
+    ALL_PARALLEL_STYLES.register("diff_llama_attention", DiffLlamaAttentionParallel())
+    ALL_PARALLEL_STYLES.register("diff_llama_heads", DiffLlamaHeadsParallel())
 
 
 # The attention variant is chosen once, from `config.diff_version`.
@@ -512,6 +680,22 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
         "hidden_states": DiffLlamaDecoderLayer,
         "attentions": [DiffLlamaAttention, DiffLlamaV2Attention],
     }
+
+    @classmethod
+    def is_remote_code(cls) -> bool:
+        # FSDP2 (`fully_shard`) swaps a model's class for a subclass defined in torch's own files; transformers would
+        # copy those files into the saved folder and name that subclass in config.json's auto_map. For such a class,
+        # `save_pretrained` below copies this file instead (config.json's auto_map is always the full AUTO_MAP).
+        return super().is_remote_code() and cls.__module__ == DiffLlamaPreTrainedModel.__module__
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        cls = type(self)
+        if cls._auto_class is not None and not cls.is_remote_code():
+            if self.should_save_on_this_rank(kwargs.get("is_main_process", True)):
+                defined_here = next(c for c in cls.__mro__ if c.__module__ == DiffLlamaPreTrainedModel.__module__)
+                custom_object_save(defined_here.__new__(defined_here), save_directory)
+        return result
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -635,6 +819,8 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
 
 class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _fsdp_plan = {"lm_head": "keep_full_weight"}
 
     def __init__(self, config: DiffLlamaConfig):
         super().__init__(config)
@@ -754,4 +940,5 @@ __all__ = [
     "DiffLlamaForTokenClassification",
     "DiffLlamaForQuestionAnswering",
     "differential_attention_maps",
+    "tensor_parallel_layout",
 ]

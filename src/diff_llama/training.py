@@ -22,6 +22,7 @@ in `modules_to_save`: PEFT trains them and stores them in the adapter.
 """
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -216,9 +217,14 @@ class LogLastStep(TrainerCallback):
             control.should_log = True
 
 
-def train(model_path: str, options: FineTuneOptions) -> Path:
+def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> Path:
     """Fine-tune `model_path` on the text at `options.data` (the engine of `diff-llama train`); returns the output
-    folder.
+    folder. `callbacks`: extra `TrainerCallback`s.
+
+    Runs data-parallel when launched as several processes (`accelerate launch`, `torchrun`): over NCCL on GPUs, over
+    gloo on a machine without an accelerator. FSDP (accelerate's FSDP config) needs GPUs: accelerate runs CPU
+    processes as data parallel only, so an FSDP launch without an accelerator is refused rather than silently run
+    as DDP.
 
     Writes Trainer checkpoints (`checkpoint-N`, every `save_steps`) into `options.output`, then the final model: the
     adapter with LoRA (or the merged model with `merge`), the full model otherwise, with the tokenizer, the log
@@ -228,6 +234,12 @@ def train(model_path: str, options: FineTuneOptions) -> Path:
 
     from .monitoring import DifferentialAttentionCallback, plot_differential_attention
 
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not torch.accelerator.is_available():
+        raise ValueError(
+            "FSDP was requested (accelerate's FSDP config) but this machine has no GPU or other accelerator: "
+            "accelerate shards models with FSDP only on accelerators and runs CPU processes as data parallel (DDP). "
+            "On CPU, launch with a DDP config (e.g. configs/accelerate/ddp.yaml); use the FSDP config on GPUs."
+        )
     output_dir = Path(options.output)
     checkpoint = resume_checkpoint(output_dir, options.resume)
     text = read_text(options.data)  # before loading the model: a wrong path fails at once
@@ -241,14 +253,28 @@ def train(model_path: str, options: FineTuneOptions) -> Path:
         learning_rate=learning_rate, lr_scheduler_type="cosine", warmup_steps=0.05,
         logging_steps=options.logging_steps, save_steps=options.save_steps, save_total_limit=2, report_to="none",
         seed=options.seed,
+        # Without an accelerator, several processes (torchrun, `accelerate launch --multi_gpu`) then train as one
+        # data-parallel job over gloo, as they would over NCCL on GPUs (otherwise each would train alone).
+        use_cpu=not torch.accelerator.is_available(),
     )
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[LogLastStep()],
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[LogLastStep(), *callbacks],
                       optimizers=(optimizer_for(model, learning_rate, options.lambda_learning_rate), None))
     if options.monitor and hasattr(model, "get_lambdas"):
         DifferentialAttentionCallback.attach(trainer, dataset.blocks[0, :64])
     trainer.train(resume_from_checkpoint=checkpoint)
 
-    save_trained(model, tokenizer, output_dir, merge=options.lora and options.merge)
+    if options.lora and options.merge:
+        if trainer.is_world_process_zero():
+            save_trained(model, tokenizer, output_dir, merge=True)
+    else:
+        # Every process takes part (under FSDP the full weights are gathered); the main process writes the folder.
+        trainer.save_model(str(output_dir))
+    if not trainer.is_world_process_zero():
+        return output_dir
+    if not (options.lora and options.merge):
+        from .resolve import save_tokenizer
+
+        save_tokenizer(tokenizer, output_dir)
     history = trainer.state.log_history
     (output_dir / "training_log.json").write_text(json.dumps(history, indent=1) + "\n")
     plot_training_loss(history, output_dir / "training_loss.png")

@@ -1,0 +1,94 @@
+"""`diff-llama serve`: transformers' own OpenAI-compatible server (`transformers serve`) for DiffLlama folders.
+
+`transformers serve` (5.23) builds a model from a folder with `getattr(transformers, config.architectures[0])`, never
+through the Auto classes. For a DiffLlama folder that name, `DiffLlamaForCausalLM`, is transformers' built-in
+`diffllama` class, a different model: it refuses odd `num_key_value_heads` and ignores `diff_version` and
+`head_norm_eps`, so a converted model would fail to load or compute another function. `diff-llama serve` runs the
+same server (every endpoint and option of `transformers serve`) with one change: models whose config is a DiffLlama
+load with this package's classes, or with `--trust-remote-code` with the code saved in the model folder. Any other
+model loads as `transformers serve` loads it.
+
+```bash
+pip install "transformers[serving]"
+diff-llama serve outputs/SmolLM2-135M-Instruct-diff --port 8000          # then any OpenAI client:
+curl localhost:8000/v1/chat/completions -H "Content-Type: application/json" \\
+  -d '{"model": "outputs/SmolLM2-135M-Instruct-diff", "messages": [{"role": "user", "content": "Hi"}]}'
+```
+"""
+
+import contextlib
+
+MODEL_TYPE = "diff_llama"
+
+
+def _model_manager_class():
+    from transformers.cli.serving.model_manager import ModelManager
+
+    class DiffLlamaModelManager(ModelManager):
+        """transformers' ModelManager; DiffLlama configs load through AutoModelForCausalLM."""
+
+        def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            model_id, revision = model_id_and_revision.split("@", 1)
+            if gguf_file is None:
+                config = AutoConfig.from_pretrained(
+                    model_id, revision=revision, trust_remote_code=self.trust_remote_code
+                )
+                if config.model_type == MODEL_TYPE:
+                    kwargs = {
+                        "revision": revision,
+                        "attn_implementation": self.attn_implementation,
+                        "dtype": self.dtype,
+                        "device_map": self.device,
+                        "trust_remote_code": self.trust_remote_code,
+                        "tqdm_class": tqdm_class,
+                    }
+                    if (quantization_config := self.get_quantization_config()) is not None:
+                        kwargs["quantization_config"] = quantization_config
+                    model_class = AutoModelForCausalLM
+                    remote = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
+                    if self.trust_remote_code and remote:
+                        # The code saved with the model, even where this package is installed (the Auto classes
+                        # would prefer the registered package classes).
+                        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+                        model_class = get_class_from_dynamic_module(remote, model_id, revision=revision)
+                    return model_class.from_pretrained(model_id, **kwargs)
+            return super()._load_model(
+                model_id_and_revision, tqdm_class=tqdm_class, progress_callback=progress_callback, gguf_file=gguf_file
+            )
+
+    return DiffLlamaModelManager
+
+
+@contextlib.contextmanager
+def diff_llama_model_loading():
+    """Within this context, transformers' server (`transformers.cli.serve.Serve`, which imports its ModelManager when
+    it starts) loads DiffLlama models with this package's classes or the folder's code (see the module docstring)."""
+    from transformers.cli.serving import model_manager
+
+    original = model_manager.ModelManager
+    model_manager.ModelManager = _model_manager_class()
+    try:
+        yield
+    finally:
+        model_manager.ModelManager = original
+
+
+def main(argv) -> int:
+    """`diff-llama serve [MODEL] [options of transformers serve]`: runs transformers' server until interrupted."""
+    from transformers.utils.import_utils import is_serve_available
+
+    import diff_llama  # noqa: F401  (registers the Auto classes: the package's code serves without trust_remote_code)
+
+    if not is_serve_available():
+        raise ImportError(
+            "serving needs transformers' serving extras (fastapi, uvicorn, openai, pydantic): "
+            'pip install "transformers[serving]"'
+        )
+    from transformers.cli.transformers import app
+
+    with diff_llama_model_loading():
+        app(args=["serve", *argv], prog_name="diff-llama")  # click: exits with the server's status
+    return 0
