@@ -50,8 +50,8 @@ def timed_calibrate(self, *args, **kwargs):
     calibrate_cpu_seconds.append(time.process_time() - started_cpu)
     return result
 calibration.LayerwiseRunner.calibrate = timed_calibrate
-options = ConversionOptions(diff_version=version, evaluate=False, calibration_tokens=tokens, seq_len=512,
-                            calibration="lstsq" if version == 1 else "none")
+calibration = dict(calibration="lstsq", calibration_tokens=tokens) if version == 1 else dict(calibration="none")
+options = ConversionOptions(diff_version=version, evaluate=False, seq_len=512, **calibration)
 cpu = time.process_time()
 started = time.perf_counter()
 report = convert_llama_to_diff_llama(source, output, options, progress=False)

@@ -20,7 +20,7 @@ from diff_llama.smollm2 import smollm2_gguf_path
 
 RESULTS = Path(__file__).parent / "results"
 VARIANTS = [
-    ("expand, lstsq, headroom 0.01 (default)", dict()),
+    ("expand, lstsq, headroom 0.01 (version 1 default)", dict()),
     ("expand, lstsq, headroom 0.1 (the default until issue 9)", dict(head_norm_headroom=0.1)),
     ("expand, lstsq, headroom 1.0", dict(head_norm_headroom=1.0)),
     ("expand, lstsq, no headroom (norm in the paper's regime)", dict(head_norm_headroom=0.0)),
@@ -43,7 +43,7 @@ def main():
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(work / "source")
     rows = []
     for name, overrides in VARIANTS:
-        options = ConversionOptions(**overrides)
+        options = ConversionOptions(diff_version=1, **overrides)  # every variant here is a version 1 conversion
         if options.calibration == "none":
             options.head_norm_headroom = 0.0
         report = convert_llama_to_diff_llama(str(work / "source"), str(work / "out"), options, overwrite=True,

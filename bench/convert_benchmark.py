@@ -92,7 +92,7 @@ def main():
 
     for file in source.iterdir():  # warm the page cache for every contender alike
         file.read_bytes()
-    variants = {"v1 split": dict(head_layout="split"), "v1 expand": dict(head_layout="expand"),
+    variants = {"v1 split": dict(diff_version=1, head_layout="split"), "v1 expand": dict(diff_version=1, head_layout="expand"),
                 "v2 (exact)": dict(diff_version=2)}
     copies, runs = [], {name: [] for name in variants}
     for _ in range(args.repeats):  # interleaved, medians reported

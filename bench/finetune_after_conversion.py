@@ -70,7 +70,7 @@ def conversions(names: list[str]) -> list[tuple[str, dict]]:
                 print("this checkout has no --diff-version 2: V2 rows left out", flush=True)
         else:
             label = "V1 (defaults)" if name == "lstsq" else f"V1 --calibration {name}"
-            variants.append((label, dict(calibration=name)))
+            variants.append((label, dict(diff_version=1, calibration=name)))
     return variants
 
 

@@ -92,7 +92,8 @@ def test_a_fresh_conversion_fine_tunes_like_its_source(tmp_path, tokenizer, trai
     ids = _text_ids(tokenizer, HELD_OUT_MODULES, 1025 + 8 * 5 * BLOCK)
     train_data, held_out = Blocks(ids[1025:]), ids[:1025]
     converted = tmp_path / "converted"
-    options = ConversionOptions(calibration=calibration, calibration_tokens=4096, eval_tokens=1024, seq_len=128)
+    options = ConversionOptions(diff_version=1, calibration=calibration, calibration_tokens=4096, eval_tokens=1024,
+                                seq_len=128)
     convert_llama_to_diff_llama(str(trained_llama), str(converted), options, progress=False)
 
     source_model = AutoModelForCausalLM.from_pretrained(trained_llama)
