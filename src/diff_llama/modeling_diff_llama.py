@@ -41,7 +41,7 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
-from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.generic import GeneralInterface, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_diff_llama import DiffLlamaConfig
@@ -203,6 +203,14 @@ def _pad_to_pairs(query, key, value):
     )
 
 
+def _has_cpu_flash_attention() -> bool:
+    """The private aten ops of `CausalPairedAttentionCPU`. Present since torch 2.2; a private op may go away, so the
+    dispatch checks before using them and falls back to the generic path (tested by hiding them)."""
+    return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu") and hasattr(
+        torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"
+    )
+
+
 class CausalPairedAttentionCPU(torch.autograd.Function):
     """Training on CPU, causal, no padding mask: the fused SDPA kernel on the padded layout of `_pad_to_pairs`, but
     saving for backward only the d-wide query, key and value (and the output), not their padded copies. The padded
@@ -228,6 +236,313 @@ class CausalPairedAttentionCPU(torch.autograd.Function):
         grad_pairs = sum(grad_value.chunk(2, dim=1))  # both halves of the heads read the same value pairs
         grad_value = torch.cat(grad_pairs.split(head_dim, dim=-1), dim=1)
         return grad_query[..., :head_dim], grad_key[..., :head_dim], grad_value, None
+
+
+def _future_is_masked(attention_mask: torch.Tensor, query_len: int, key_len: int) -> bool:
+    """Whether no query may see a key after its own position, the queries being the last `query_len` positions (any
+    causal mask, padded or not), so that the key columns right of a row block can be skipped. One pass over the mask
+    per call; a custom mask that lets queries see the future keeps every column."""
+    future = torch.ones(query_len, key_len, dtype=torch.bool, device=attention_mask.device)
+    future = future.triu_(key_len - query_len + 1)
+    mask = attention_mask[..., -query_len:, :key_len]
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    return not bool((allowed & future).any())
+
+
+def _mask_block(scores, attention_mask, start, stop, columns, offset, group):
+    """Mask the scores of query rows start..stop (rows ordered (token, query head of the group)) in place."""
+    batch, kv_heads, _, _ = scores.shape
+    rows = stop - start
+    view = scores.view(batch, kv_heads, rows, group, columns)
+    if attention_mask is None:
+        # Causal, no padding: only the block's last `rows` columns hold future keys.
+        if rows > 1:
+            diagonal = start + offset
+            future = torch.ones(rows, columns - diagonal, dtype=torch.bool, device=scores.device).triu_(1)
+            view[..., diagonal:].masked_fill_(future[:, None], float("-inf"))
+        return scores
+    mask = attention_mask[:, :, start:stop, :columns, None].transpose(-1, -2)  # (batch, 1, rows, 1, columns)
+    if mask.dtype == torch.bool:
+        # The most negative finite value, as eager's additive masks: a fully masked (padded) row stays finite.
+        view.masked_fill_(~mask, torch.finfo(scores.dtype).min)
+    else:
+        view.add_(mask.to(scores.dtype))
+    return scores
+
+
+class BlockedDifferentialAttention(torch.autograd.Function):
+    """Exact differential attention by blocks of query rows: (batch, q_len, H/2, 2d), before the head norm.
+
+    For each block of query rows it forms the full score rows of both maps (Q·Kᵀ costs Llama's), an exact softmax,
+    then A1 − λ·A2, one map per differential head, which meets the 2d-wide value pair once (A·V costs Llama's too:
+    H/2 maps x 2d = H maps x d). Key columns right of the block are skipped when the mask is causal. Backward
+    recomputes each block from q, k, v, λ and the saved row log-sum-exps, so memory stays linear in the sequence
+    length. Matmuls run in the input dtype (bf16 keeps the CPU's bf16 units); softmax, A1 − λ·A2 and the row
+    statistics in float32 or wider.
+
+    Inputs as `differential_decode_attention`'s: query (batch, H, q_len, d), key/value (batch, G, kv_len, d) with G
+    even and query head h reading key/value head h // (H / G); λ a 0-d tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, lambda_full, attention_mask, scaling, block_size, offset, skip_future):
+        batch, num_heads, query_len, head_dim = query.shape
+        kv_heads, key_len = key.shape[1], key.shape[2]
+        group, half = num_heads // kv_heads, kv_heads // 2
+        softmax_dtype = torch.promote_types(query.dtype, torch.float32)
+        # Rows of a key/value head ordered (token, query head of its group): a block of tokens is a contiguous slice.
+        rows_query = (query * scaling).view(batch, kv_heads, group, query_len, head_dim).transpose(2, 3)
+        rows_query = rows_query.reshape(batch, kv_heads, query_len * group, head_dim)
+        key = key.contiguous()  # sliced per block: a strided key would be copied by every matmul
+        value_pairs = torch.cat((value[:, :half], value[:, half:]), dim=-1)  # (batch, G/2, kv_len, 2d)
+        lam = lambda_full.to(softmax_dtype)
+        output = query.new_empty(batch, query_len, half, group, 2 * head_dim, dtype=softmax_dtype)
+        save_statistics = any(ctx.needs_input_grad[:4])
+        logsumexp = query.new_empty(batch, kv_heads, query_len * group, dtype=softmax_dtype) if save_statistics else None
+        for start in range(0, query_len, block_size):
+            stop = min(start + block_size, query_len)
+            rows = slice(start * group, stop * group)
+            columns = stop + offset if skip_future else key_len
+            scores = torch.matmul(rows_query[:, :, rows], key[:, :, :columns].transpose(2, 3)).to(softmax_dtype)
+            scores = _mask_block(scores, attention_mask, start, stop, columns, offset, group)
+            if save_statistics:
+                row_logsumexp = torch.logsumexp(scores, dim=-1)
+                logsumexp[:, :, rows] = row_logsumexp
+                maps = scores.sub_(row_logsumexp[..., None]).exp_()
+            else:
+                maps = torch.softmax(scores, dim=-1)
+            differential = maps[:, :half].addcmul_(maps[:, half:], lam, value=-1).to(value.dtype)
+            block = torch.matmul(differential, value_pairs[:, :, :columns])  # (batch, G/2, rows, 2d)
+            output[:, start:stop] = block.view(batch, half, stop - start, group, 2 * head_dim).transpose(1, 2)
+        if save_statistics:
+            ctx.save_for_backward(query, key, value, lambda_full, logsumexp)
+            ctx.attention_mask = attention_mask
+            ctx.settings = (scaling, block_size, offset, skip_future)
+        return output.view(batch, query_len, half * group, 2 * head_dim)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, key, value, lambda_full, logsumexp = ctx.saved_tensors
+        scaling, block_size, offset, skip_future = ctx.settings
+        attention_mask = ctx.attention_mask
+        batch, num_heads, query_len, head_dim = query.shape
+        kv_heads, key_len = key.shape[1], key.shape[2]
+        group, half = num_heads // kv_heads, kv_heads // 2
+        softmax_dtype = logsumexp.dtype
+        rows_query = (query * scaling).view(batch, kv_heads, group, query_len, head_dim).transpose(2, 3)
+        rows_query = rows_query.reshape(batch, kv_heads, query_len * group, head_dim)
+        value_pairs = torch.cat((value[:, :half], value[:, half:]), dim=-1)
+        lam = lambda_full.to(softmax_dtype)
+        # (batch, q_len, H/2, 2d) -> (batch, G/2, rows, 2d), rows ordered as in forward.
+        grad_output = grad_output.to(value.dtype).view(batch, query_len, half, group, 2 * head_dim).transpose(1, 2)
+        grad_output = grad_output.reshape(batch, half, query_len * group, 2 * head_dim)
+        grad_rows_query = torch.empty_like(rows_query, dtype=softmax_dtype)
+        grad_key = torch.zeros_like(key, dtype=softmax_dtype)
+        grad_pairs = torch.zeros_like(value_pairs, dtype=softmax_dtype)
+        grad_lambda = torch.zeros((), dtype=softmax_dtype, device=query.device)
+        for start in range(0, query_len, block_size):
+            stop = min(start + block_size, query_len)
+            rows = slice(start * group, stop * group)
+            columns = stop + offset if skip_future else key_len
+            scores = torch.matmul(rows_query[:, :, rows], key[:, :, :columns].transpose(2, 3)).to(softmax_dtype)
+            scores = _mask_block(scores, attention_mask, start, stop, columns, offset, group)
+            maps = scores.sub_(logsumexp[:, :, rows, None]).exp_()  # A1 (first G/2 heads) and A2, recomputed
+            differential = torch.addcmul(maps[:, :half], maps[:, half:], lam, value=-1).to(value.dtype)
+            grad_block = grad_output[:, :, rows]
+            grad_pairs[:, :, :columns] += torch.matmul(differential.transpose(2, 3), grad_block)
+            grad_differential = torch.matmul(grad_block, value_pairs[:, :, :columns].transpose(2, 3))
+            # Softmax backward of both maps, dS = A * (dA - rowsum(dA * A)), with dA1 = dP and dA2 = -λ dP.
+            paired_maps = maps.view(batch, 2, half, -1, columns)
+            grad_differential = grad_differential.to(softmax_dtype)[:, None]
+            row_sums = (paired_maps * grad_differential).sum(-1, keepdim=True)  # (batch, 2, G/2, rows, 1)
+            grad_lambda -= row_sums[:, 1].sum()
+            grad_scores = (grad_differential - row_sums).mul_(paired_maps)
+            grad_scores[:, 1].mul_(-lam)
+            grad_scores = grad_scores.view(batch, kv_heads, -1, columns).to(query.dtype)
+            grad_rows_query[:, :, rows] = torch.matmul(grad_scores, key[:, :, :columns])
+            grad_key[:, :, :columns] += torch.matmul(grad_scores.transpose(2, 3), rows_query[:, :, rows])
+        # dK = dSᵀ·(q·scaling) above already holds the scaling; dQ gets it here.
+        grad_query = (grad_rows_query * scaling).view(batch, kv_heads, query_len, group, head_dim).transpose(2, 3)
+        grad_query = grad_query.reshape(batch, num_heads, query_len, head_dim).to(query.dtype)
+        grad_value = torch.cat(grad_pairs.split(head_dim, dim=-1), dim=1).to(value.dtype)
+        return (grad_query, grad_key.to(key.dtype), grad_value, grad_lambda.to(lambda_full.dtype)) + (None,) * 5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Differential kernels and the one place that picks them.
+#
+# A differential kernel maps the attention inputs after RoPE, the cache and the GQA expansion (query (batch, H, q, d);
+# key/value (batch, G', k, d), G' even, each half of the query heads reading its own half of them) to the
+# differential heads' outputs before the head norm, (batch, q, H/2, 2d) in λ's dtype, and the softmax maps when it
+# has them. DIFF V2 runs one ordinary attention call (any backend) and needs no differential kernel.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class DifferentialKernel:
+    """A named differential kernel and the calls it can take (`supports`); the dispatch skips it for other calls."""
+
+    def __init__(self, function: Callable, supports: Callable | None = None, description: str = ""):
+        self.function = function
+        self.supports = supports or (lambda module, query, key, attention_mask: True)
+        self.description = description
+
+    def __call__(self, *args, **kwargs):
+        return self.function(*args, **kwargs)
+
+
+def generic_differential_attention(module, query, key, value, attention_mask, lambda_full, **kwargs):
+    """Every softmax map applied to the 2d-wide value pair of its differential head through the configured attention
+    backend (`config._attn_implementation`: eager, SDPA, flex, flash, or one registered with `AttentionInterface`),
+    then A1·V − λ·A2·V. Runs anywhere, and returns the maps when the backend does (eager)."""
+    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+        module.config._attn_implementation, eager_attention_forward
+    )
+    call = partial(attention_interface, module, attention_mask=attention_mask, dropout=0.0, scaling=module.scaling)
+    if query.shape[2] > 1:
+        # Prefill: one backend call forms every softmax map once and applies it to the 2d-wide value pair. Fused
+        # kernels want equal query/key/value widths, so queries and keys get d zero channels: the scores, hence the
+        # maps, are unchanged (the scaling stays 1/sqrt(d)).
+        padded_query, padded_key, value_pairs = _pad_to_pairs(query, key, value)
+        attn_output, attn_weights = call(query=padded_query, key=padded_key, value=value_pairs, **kwargs)
+    else:
+        # Decoding one token: padding the whole cached keys every step costs more than forming the scores twice.
+        first_values, second_values = value.chunk(2, dim=1)
+        first_output, attn_weights = call(query=query, key=key, value=torch.cat([first_values] * 2, dim=1), **kwargs)
+        second_output, _ = call(query=query, key=key, value=torch.cat([second_values] * 2, dim=1), **kwargs)
+        attn_output = torch.cat([first_output, second_output], dim=-1)
+    map1_output, map2_output = attn_output.chunk(2, dim=2)  # (batch, q, H, 2d): maps i and i + H/2
+    differential = torch.addcmul(map1_output.to(lambda_full.dtype), map2_output.to(lambda_full.dtype), lambda_full,
+                                 value=-1)
+    return differential, attn_weights
+
+
+def decode_differential_attention(module, query, key, value, attention_mask, lambda_full, **kwargs):
+    return differential_decode_attention(query, key, value, attention_mask, module.scaling, lambda_full), None
+
+
+def paired_sdpa_cpu_differential_attention(module, query, key, value, attention_mask, lambda_full, **kwargs):
+    attn_output = CausalPairedAttentionCPU.apply(query, key, value, module.scaling).transpose(1, 2)
+    map1_output, map2_output = attn_output.chunk(2, dim=2)
+    differential = torch.addcmul(map1_output.to(lambda_full.dtype), map2_output.to(lambda_full.dtype), lambda_full,
+                                 value=-1)
+    return differential, None
+
+
+# Query rows per block of the blocked kernel. On the benchmark CPU (fp32, 8 heads of 64, 2 threads) 64 rows beat 32,
+# 128 and 256 at 512 and 2048 tokens (bench/results/kernels.md).
+BLOCKED_KERNEL_ROWS = 64
+
+
+def blocked_differential_attention(module, query, key, value, attention_mask, lambda_full, **kwargs):
+    query_len, key_len = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        # SDPA's convention (is_causal): query t sees keys 0..t (a static cache's unused slots come after), and one
+        # query token sees every key.
+        offset, skip_future = (0 if query_len > 1 else key_len - 1), True
+    else:
+        offset = key_len - query_len
+        skip_future = _future_is_masked(attention_mask, query_len, key_len)
+    output = BlockedDifferentialAttention.apply(
+        query, key, value, lambda_full, attention_mask, module.scaling, BLOCKED_KERNEL_ROWS, offset, skip_future
+    )
+    return output.to(lambda_full.dtype), None
+
+
+def _is_causal_cpu_training(module, query, key, attention_mask) -> bool:
+    """CPU, plain causal self-attention (no padding mask, no cached prefix), the private ops present, not compiling."""
+    return (
+        attention_mask is None
+        and key.shape[2] == query.shape[2]
+        and query.device.type == "cpu"
+        and _has_cpu_flash_attention()
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _blocked_supports(module, query, key, attention_mask) -> bool:
+    # Transformers' masks have one head; torch.compile keeps the generic path (it traces the backend call instead).
+    return (attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)) and (
+        not torch.compiler.is_compiling()
+    )
+
+
+class DifferentialAttentionInterface(GeneralInterface):
+    """Name -> differential kernel, in the manner of transformers' `AttentionInterface`: `register(name, kernel)` adds
+    one library-wide (a `DifferentialKernel`, or a plain function taking the arguments of
+    `generic_differential_attention`), and every name can be chosen with `model.set_differential_kernel(name)` or
+    `config.differential_kernel`."""
+
+    _global_mapping = {
+        "generic": DifferentialKernel(
+            generic_differential_attention,
+            description="the configured attention backend on the padded one-call layout (prefill) or two calls "
+            "(decode); any backend and device; returns the maps with eager",
+        ),
+        "blocked": DifferentialKernel(
+            blocked_differential_attention,
+            _blocked_supports,
+            "exact, by blocks of query rows: A1 − λ·A2 formed before it meets the 2d-wide value; causal blocks "
+            "skipped; backward recomputes from row statistics",
+        ),
+        "decode": DifferentialKernel(
+            decode_differential_attention,
+            lambda module, query, key, attention_mask: query.shape[2] == 1,
+            "one query token: two matmuls around one softmax, keys and values read once",
+        ),
+        "paired_sdpa_cpu": DifferentialKernel(
+            paired_sdpa_cpu_differential_attention,
+            _is_causal_cpu_training,
+            "CPU SDPA flash kernel on the padded layout, saving only d-wide tensors for backward (private aten op, "
+            "guarded)",
+        ),
+    }
+
+    def get(self, name):
+        kernel = self[name]
+        return kernel if isinstance(kernel, DifferentialKernel) else DifferentialKernel(kernel)
+
+
+ALL_DIFFERENTIAL_KERNELS = DifferentialAttentionInterface()
+
+
+# The automatic choice: (attention backend, device type, step) -> kernel, first match wins, "*" matches anything;
+# steps: "prefill" (no autograd), "train" (autograd on), "decode" (one query token). Each entry says why it wins.
+# A kernel that does not support a call (see `supports`) passes it to the next matching entry; "generic" ends it.
+DIFFERENTIAL_KERNEL_DISPATCH = [
+    ("sdpa", "*", "decode", "decode",
+     "CPU, one token, 128-token prompt: 0.86-0.94x Llama's tokens/s against 0.84x for two generic calls "
+     "(bench/results/model.md). Plain matmuls, so it runs on CUDA too; unmeasured there."),
+    ("sdpa", "cpu", "prefill", "blocked",
+     "CPU fp32, attention layer at 2048 tokens: see bench/results/kernels.md (blocked vs the padded one-call path)."),
+    ("sdpa", "cpu", "train", "blocked",
+     "CPU fp32, train step b4x256: see bench/results/kernels.md (blocked vs paired_sdpa_cpu)."),
+    ("*", "*", "*", "generic",
+     "The default: exact on every backend and device; CUDA (SDPA, flash-attention 2) is unmeasured, so it keeps "
+     "the generic one-call path."),
+]
+
+
+def _step(query) -> str:
+    if query.shape[2] == 1:
+        return "decode"
+    return "train" if torch.is_grad_enabled() and query.requires_grad else "prefill"
+
+
+def select_differential_kernel(module, query, key, attention_mask) -> DifferentialKernel:
+    """The kernel for this call: `config.differential_kernel` when set and it supports the call, else the first
+    matching entry of `DIFFERENTIAL_KERNEL_DISPATCH` that supports it."""
+    chosen = getattr(module.config, "differential_kernel", None)
+    if chosen is not None:
+        kernel = ALL_DIFFERENTIAL_KERNELS.get(chosen)
+        if kernel.supports(module, query, key, attention_mask):
+            return kernel
+    backend, device, step = module.config._attn_implementation, query.device.type, _step(query)
+    for rule_backend, rule_device, rule_step, name, _why in DIFFERENTIAL_KERNEL_DISPATCH:
+        if rule_backend in ("*", backend) and rule_device in ("*", device) and rule_step in ("*", step):
+            kernel = ALL_DIFFERENTIAL_KERNELS.get(name)
+            if kernel.supports(module, query, key, attention_mask):
+                return kernel
+    return ALL_DIFFERENTIAL_KERNELS.get("generic")
 
 
 class DiffLlamaAttention(nn.Module):
@@ -291,67 +606,18 @@ class DiffLlamaAttention(nn.Module):
 
         key_states = repeat_kv(key_states, self.kv_expansion)
         value_states = repeat_kv(value_states, self.kv_expansion)
-        # The subtraction cancels most of the signal, so it runs in float32 (or wider) whatever the model dtype.
+
+        # λ in float32 (or wider): the subtraction cancels most of the signal, whatever the model dtype.
         lambda_full = self.differential_lambda()
-        # Two SDPA cases have kernels of their own; every other case goes through the configured backend.
-        sdpa = self.config._attn_implementation == "sdpa"
-        if sdpa and query_states.shape[2] == 1:
-            differential = differential_decode_attention(
-                query_states, key_states, value_states, attention_mask, self.scaling, lambda_full
-            )
-            attn_weights = None
-        else:
-            if sdpa and self._is_causal_cpu_training(query_states, key_states, attention_mask):
-                # Same kernel and layout as the generic prefill; backward keeps the d-wide tensors, not padded ones.
-                attn_output = CausalPairedAttentionCPU.apply(query_states, key_states, value_states, self.scaling)
-                attn_output, attn_weights = attn_output.transpose(1, 2), None
-            else:
-                attn_output, attn_weights = self._maps_times_value_pairs(
-                    query_states, key_states, value_states, attention_mask, **kwargs
-                )
-            map1_output, map2_output = attn_output.chunk(2, dim=2)
-            differential = map1_output.to(lambda_full.dtype) - lambda_full * map2_output.to(lambda_full.dtype)
-        attn_output = (1 - self.differential_lambda.lambda_init) * self.head_norm(differential)
+        kernel = select_differential_kernel(self, query_states, key_states, attention_mask)
+        attn_output, attn_weights = kernel(
+            self, query_states, key_states, value_states, attention_mask, lambda_full, **kwargs
+        )
+
+        attn_output = (1 - self.differential_lambda.lambda_init) * self.head_norm(attn_output)
         attn_output = attn_output.to(hidden_states.dtype).reshape(*input_shape, -1)
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
-
-    @staticmethod
-    def _is_causal_cpu_training(query_states, key_states, attention_mask) -> bool:
-        """Whether CausalPairedAttentionCPU applies: CPU, autograd on, plain causal self-attention (no padding mask,
-        no cached prefix), not under torch.compile."""
-        return (
-            attention_mask is None
-            and key_states.shape[2] == query_states.shape[2]
-            and query_states.device.type == "cpu"
-            and torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()
-        )
-
-    def _maps_times_value_pairs(self, query_states, key_states, value_states, attention_mask, **kwargs):
-        """Every softmax map applied to the 2d-wide value pair of its differential head, through the configured
-        attention backend: (batch, seq, H, 2d), and the maps when the backend returns them."""
-        # Query head h (either map of differential head i = h mod H/2) must read v_kv(i) and v_kv(i + H/2), side by
-        # side: the first and second half of the key/value heads, each repeated for both halves of the queries.
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        call = partial(attention_interface, self, attention_mask=attention_mask, dropout=0.0, scaling=self.scaling)
-        if query_states.shape[2] > 1:
-            # Prefill: one backend call forms every softmax map once and applies it to the 2d-wide value pair. Fused
-            # kernels want equal query/key/value widths, so queries and keys get d zero channels: the scores, hence
-            # the maps, are unchanged (the scaling stays 1/sqrt(d)). On CPU at 2048 tokens this is 1.7x one Llama
-            # attention call, where two d-wide calls cost 2x and a 2d-wide value alone falls off the fused kernel (7x).
-            query, key, value = _pad_to_pairs(query_states, key_states, value_states)
-            return call(query=query, key=key, value=value, **kwargs)
-        # Decoding one token: padding the whole cached keys every step costs more than forming the scores twice.
-        first_values, second_values = value_states.chunk(2, dim=1)
-        first_values = torch.cat([first_values, first_values], dim=1)
-        second_values = torch.cat([second_values, second_values], dim=1)
-        first_output, attn_weights = call(query=query_states, key=key_states, value=first_values, **kwargs)
-        second_output, _ = call(query=query_states, key=key_states, value=second_values, **kwargs)
-        return torch.cat([first_output, second_output], dim=-1), attn_weights
-
 
     @staticmethod
     def pair_maps(maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -519,6 +785,18 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
         if isinstance(module, DiffLlamaLambda):
             for name in LAMBDA_VECTOR_NAMES:
                 init.normal_(getattr(module, name), 0.0, self.config.lambda_std_dev)
+
+    def set_differential_kernel(self, kernel: str | None):
+        """Choose the differential attention kernel (version 1) by name, from `ALL_DIFFERENTIAL_KERNELS`: "generic",
+        "blocked", "decode", "paired_sdpa_cpu" or one registered with `DifferentialAttentionInterface.register`.
+        It serves every call it supports; the others keep the automatic choice (`DIFFERENTIAL_KERNEL_DISPATCH`),
+        which `None` restores. Sets `config.differential_kernel`, so a saved model keeps the choice."""
+        if kernel is not None and kernel not in ALL_DIFFERENTIAL_KERNELS:
+            raise ValueError(
+                f"Unknown differential kernel {kernel!r}; choose one of {ALL_DIFFERENTIAL_KERNELS.valid_keys()} or None "
+                f"(automatic)."
+            )
+        self.config.differential_kernel = kernel
 
     def get_lambdas(self) -> torch.Tensor:
         """The current λ of every layer, float32, shape (num_hidden_layers,). Version 1 only: DIFF V2's λ depends on
@@ -754,4 +1032,8 @@ __all__ = [
     "DiffLlamaForTokenClassification",
     "DiffLlamaForQuestionAnswering",
     "differential_attention_maps",
+    "DifferentialAttentionInterface",
+    "DifferentialKernel",
+    "ALL_DIFFERENTIAL_KERNELS",
+    "DIFFERENTIAL_KERNEL_DISPATCH",
 ]
