@@ -276,7 +276,7 @@ class BlockedDifferentialAttention(torch.autograd.Function):
     For each block of query rows it forms the full score rows of both maps (Q·Kᵀ costs Llama's), an exact softmax,
     then A1 − λ·A2, one map per differential head, which meets the 2d-wide value pair once (A·V costs Llama's too:
     H/2 maps x 2d = H maps x d). Key columns right of the block are skipped when the mask is causal. Backward
-    recomputes each block from q, k, v, λ and the saved row log-sum-exps, so memory stays linear in the sequence
+    recomputes each block from q, k, v, λ and the saved row statistics (maximum, sum), so memory stays linear in the sequence
     length. Matmuls run in the input dtype (bf16 keeps the CPU's bf16 units); softmax, A1 − λ·A2 and the row
     statistics in float32 or wider.
 
@@ -298,7 +298,9 @@ class BlockedDifferentialAttention(torch.autograd.Function):
         lam = lambda_full.to(softmax_dtype)
         output = query.new_empty(batch, query_len, half, group, 2 * head_dim, dtype=softmax_dtype)
         save_statistics = any(ctx.needs_input_grad[:4])
-        logsumexp = query.new_empty(batch, kv_heads, query_len * group, dtype=softmax_dtype) if save_statistics else None
+        if save_statistics:  # row maximum and sum of exp(score - maximum), per map and query row
+            row_max = query.new_empty(batch, kv_heads, query_len * group, 1, dtype=softmax_dtype)
+            row_sum = torch.empty_like(row_max)
         for start in range(0, query_len, block_size):
             stop = min(start + block_size, query_len)
             rows = slice(start * group, stop * group)
@@ -306,29 +308,32 @@ class BlockedDifferentialAttention(torch.autograd.Function):
             scores = torch.matmul(rows_query[:, :, rows], key[:, :, :columns].transpose(2, 3)).to(softmax_dtype)
             scores = _mask_block(scores, attention_mask, start, stop, columns, offset, group)
             if save_statistics:
-                row_logsumexp = torch.logsumexp(scores, dim=-1)
-                logsumexp[:, :, rows] = row_logsumexp
-                maps = scores.sub_(row_logsumexp[..., None]).exp_()
+                # Not a single log-sum-exp: for a fully masked (padded) row, min + log(n) rounds to min, and the
+                # recomputed map would not be eager's uniform one.
+                torch.amax(scores, dim=-1, keepdim=True, out=row_max[:, :, rows])
+                maps = scores.sub_(row_max[:, :, rows]).exp_()
+                torch.sum(maps, dim=-1, keepdim=True, out=row_sum[:, :, rows])
+                maps = maps.div_(row_sum[:, :, rows])
             else:
                 maps = torch.softmax(scores, dim=-1)
             differential = maps[:, :half].addcmul_(maps[:, half:], lam, value=-1).to(value.dtype)
             block = torch.matmul(differential, value_pairs[:, :, :columns])  # (batch, G/2, rows, 2d)
             output[:, start:stop] = block.view(batch, half, stop - start, group, 2 * head_dim).transpose(1, 2)
         if save_statistics:
-            ctx.save_for_backward(query, key, value, lambda_full, logsumexp)
+            ctx.save_for_backward(query, key, value, lambda_full, row_max, row_sum)
             ctx.attention_mask = attention_mask
             ctx.settings = (scaling, block_size, offset, skip_future)
         return output.view(batch, query_len, half * group, 2 * head_dim)
 
     @staticmethod
     def backward(ctx, grad_output):
-        query, key, value, lambda_full, logsumexp = ctx.saved_tensors
+        query, key, value, lambda_full, row_max, row_sum = ctx.saved_tensors
         scaling, block_size, offset, skip_future = ctx.settings
         attention_mask = ctx.attention_mask
         batch, num_heads, query_len, head_dim = query.shape
         kv_heads, key_len = key.shape[1], key.shape[2]
         group, half = num_heads // kv_heads, kv_heads // 2
-        softmax_dtype = logsumexp.dtype
+        softmax_dtype = row_max.dtype
         rows_query = (query * scaling).view(batch, kv_heads, group, query_len, head_dim).transpose(2, 3)
         rows_query = rows_query.reshape(batch, kv_heads, query_len * group, head_dim)
         value_pairs = torch.cat((value[:, :half], value[:, half:]), dim=-1)
@@ -346,7 +351,7 @@ class BlockedDifferentialAttention(torch.autograd.Function):
             columns = stop + offset if skip_future else key_len
             scores = torch.matmul(rows_query[:, :, rows], key[:, :, :columns].transpose(2, 3)).to(softmax_dtype)
             scores = _mask_block(scores, attention_mask, start, stop, columns, offset, group)
-            maps = scores.sub_(logsumexp[:, :, rows, None]).exp_()  # A1 (first G/2 heads) and A2, recomputed
+            maps = scores.sub_(row_max[:, :, rows]).exp_().div_(row_sum[:, :, rows])  # A1 (first G/2 heads), A2
             differential = torch.addcmul(maps[:, :half], maps[:, half:], lam, value=-1).to(value.dtype)
             grad_block = grad_output[:, :, rows]
             grad_pairs[:, :, :columns] += torch.matmul(differential.transpose(2, 3), grad_block)
