@@ -292,3 +292,35 @@ def test_registered_kernel_is_selectable_and_used():
         assert len(calls) == model.config.num_hidden_layers
     finally:
         DifferentialAttentionInterface._global_mapping.pop("traced")
+
+
+def test_decoding_reuses_lambda_only_while_the_vectors_are_unchanged():
+    """λ is computed once per generation (per cache) without autograd, and afresh after any in-place update or
+    replacement of a λ vector, and always with autograd on."""
+    model = tiny_model(torch.float64, num_attention_heads=6, num_key_value_heads=3)
+    randomise_lambdas(model)
+    layers = model.config.num_hidden_layers
+    with mock.patch.object(modeling.DiffLlamaLambda, "forward", autospec=True,
+                           side_effect=modeling.DiffLlamaLambda.forward) as spy:
+        model.generate(torch.randint(3, 128, (1, 5)), max_new_tokens=6, do_sample=False)
+    assert spy.call_count == layers  # not once per step
+    attention = model.model.layers[1].self_attn
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        first = attention._lambda(cache)
+        assert attention._lambda(cache) is first
+        attention.differential_lambda.lambda_q1.add_(0.5)  # what an optimizer step does
+        second = attention._lambda(cache)
+        assert second.item() != first.item() and second.item() == attention.differential_lambda().item()
+        attention.differential_lambda.lambda_k2.data = torch.randn(8, dtype=torch.float64)  # replaced
+        third = attention._lambda(cache)
+        assert third.item() != second.item() and third.item() == attention.differential_lambda().item()
+    assert attention._lambda(cache).requires_grad  # autograd on: never the cached value
+
+
+def test_head_norm_is_rms_norm():
+    norm = modeling.DiffLlamaHeadNorm(16, eps=0.3, elementwise_affine=False).double()
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    torch.testing.assert_close(norm(x), x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 0.3), rtol=0, atol=1e-14)
+    norm.eps = 1e-6  # the converter sets it after construction
+    torch.testing.assert_close(norm(x), x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), rtol=0, atol=1e-14)

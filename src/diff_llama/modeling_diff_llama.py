@@ -55,7 +55,7 @@ class DiffLlamaRMSNorm(LlamaRMSNorm):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # Llama's RMSNorm, computed in float32 or wider (Llama's always drops to float32, even for float64 models).
         input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.promote_types(input_dtype, torch.float32))
+        hidden_states = hidden_states.to(_float32_or_wider(input_dtype))
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
         return self.weight * hidden_states.to(input_dtype)
@@ -72,6 +72,11 @@ class DiffLlamaRotaryEmbedding(LlamaRotaryEmbedding):
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+def _float32_or_wider(dtype: torch.dtype) -> torch.dtype:
+    """torch.promote_types(dtype, float32) for real dtypes, in Python: the torch call is an aten op of its own."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def lambda_init_fn(layer_idx: int) -> float:
@@ -106,10 +111,32 @@ class DiffLlamaLambda(nn.Module):
     def forward(self) -> torch.Tensor:
         """λ as a scalar tensor in float32 (or float64 for a float64 model): never in half precision, where exp() of
         a dot product loses the small λ updates."""
-        dtype = torch.promote_types(self.lambda_q1.dtype, torch.float32)
+        dtype = _float32_or_wider(self.lambda_q1.dtype)
         dot1 = torch.dot(self.lambda_q1.to(dtype), self.lambda_k1.to(dtype))
         dot2 = torch.dot(self.lambda_q2.to(dtype), self.lambda_k2.to(dtype))
         return torch.exp(dot1) - torch.exp(dot2) + self.lambda_init
+
+
+class DiffLlamaHeadNorm(nn.RMSNorm):
+    """The paper's per-head RMSNorm over the 2d-wide output, without affine weight: nn.RMSNorm's function in four
+    aten ops (F.rms_norm runs 23 on CPU), since a decoding step pays for every op."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return super().forward(hidden_states)
+        # x / sqrt(mean(x²) + eps) = x · rsqrt(eps + ‖x‖² / n); eps as a tensor, since a Python number is wrapped and
+        # copied by every op that takes it.
+        eps = self._eps_tensor(hidden_states)
+        norm = torch.linalg.vector_norm(hidden_states, dim=-1, keepdim=True)
+        return hidden_states * torch.rsqrt(torch.addcmul(eps, norm, norm, value=1 / hidden_states.shape[-1]))
+
+    def _eps_tensor(self, like: torch.Tensor) -> torch.Tensor:
+        eps = self.eps if self.eps is not None else torch.finfo(like.dtype).eps  # nn.RMSNorm's default
+        key = (like.device, like.dtype, eps)
+        cached = getattr(self, "_eps_cache", None)
+        if cached is None or cached[0] != key:
+            cached = self._eps_cache = (key, torch.tensor(eps, dtype=like.dtype, device=like.device))
+        return cached[1]
 
 
 class DiffLlamaV2Lambda(nn.Module):
@@ -169,22 +196,31 @@ def differential_decode_attention(
     interface: None, boolean (True = attend) or additive.
     """
     batch, num_heads, _, head_dim = query.shape
-    kv_heads = key.shape[1]
+    kv_heads, key_len = key.shape[1], key.shape[2]
     group = num_heads // kv_heads
-    # Query heads of one key/value head as rows: (batch, G, group, kv_len).
-    scores = torch.matmul((query * scaling).reshape(batch, kv_heads, group, head_dim), key.transpose(2, 3))
+    # 3-D views and bmm: matmul on 4-D tensors adds a dozen aten ops of expands and reshapes, and a decoding step
+    # pays for every op. Query heads of one key/value head are the rows: (batch * G, group, d).
+    rows = query.reshape(batch * kv_heads, group, head_dim)
+    rows = torch.add(rows, rows, alpha=scaling - 1)  # rows·scaling in one op (a Python multiplier costs five)
+    scores = torch.bmm(rows, key.reshape(batch * kv_heads, key_len, head_dim).transpose(1, 2))
     if attention_mask is not None:
+        view = scores.view(batch, kv_heads, group, key_len)
         if attention_mask.dtype == torch.bool:
-            scores = torch.where(attention_mask, scores, torch.finfo(scores.dtype).min)
+            scores = torch.where(attention_mask, view, torch.finfo(scores.dtype).min).view_as(scores)
         else:
-            scores = scores + attention_mask
-    maps = nn.functional.softmax(scores, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32))
-    maps = maps.to(value.dtype)
+            scores = (view + attention_mask).view_as(scores)
+    maps = torch.softmax(scores, dim=-1, dtype=_float32_or_wider(query.dtype))
+    if maps.dtype != value.dtype:
+        maps = maps.to(value.dtype)
     # Every value head must be read by the maps of both halves: next to each value head, stack the maps of the same
-    # position in both halves (map 1, then map 2), so that one matmul gives every (map, value half) product.
-    halves = maps.view(batch, 1, 2, kv_heads // 2, group, -1).transpose(2, 3)  # (batch, 1, G/2, 2 maps, group, T)
-    both = halves.expand(batch, 2, -1, -1, -1, -1).reshape(batch, kv_heads, 2 * group, -1)
-    products = torch.matmul(both, value).view(batch, 2, kv_heads // 2, 2, group, head_dim).to(lambda_full.dtype)
+    # position in both halves (map 1, then map 2), so that one bmm gives every (map, value half) product.
+    halves = maps.view(batch, 2, kv_heads // 2, group, key_len).transpose(1, 2)  # (batch, G/2, 2 maps, group, T)
+    both = halves.reshape(batch, 1, kv_heads // 2, 2 * group, key_len).expand(batch, 2, -1, -1, -1)
+    products = torch.bmm(both.reshape(batch * kv_heads, 2 * group, key_len),
+                         value.reshape(batch * kv_heads, key_len, head_dim))
+    products = products.view(batch, 2, kv_heads // 2, 2, group, head_dim)
+    if products.dtype != lambda_full.dtype:
+        products = products.to(lambda_full.dtype)
     # products[:, a, :, m] = A(map m)·V(half a): the differential map applied to value half a is m=0 − λ·(m=1).
     differential = torch.addcmul(products[:, :, :, 0], products[:, :, :, 1], lambda_full, value=-1)
     # (batch, value half, G/2, group, d) -> (batch, 1, H/2, 2d): differential head i = (G/2 position, group row).
@@ -586,7 +622,7 @@ class DiffLlamaAttention(nn.Module):
         # The paper's per-head normalisation over the 2d-wide output; it has no affine weight. Its epsilon is
         # rms_norm_eps unless the config sets head_norm_eps (converted LLaMAs do: see the converter).
         eps = config.head_norm_epsilon(layer_idx)
-        self.head_norm = nn.RMSNorm(2 * self.head_dim, eps=eps, elementwise_affine=False)
+        self.head_norm = DiffLlamaHeadNorm(2 * self.head_dim, eps=eps, elementwise_affine=False)
 
     def forward(
         self,
@@ -613,16 +649,34 @@ class DiffLlamaAttention(nn.Module):
         value_states = repeat_kv(value_states, self.kv_expansion)
 
         # λ in float32 (or wider): the subtraction cancels most of the signal, whatever the model dtype.
-        lambda_full = self.differential_lambda()
+        lambda_full = self._lambda(past_key_values)
         kernel = select_differential_kernel(self, query_states, key_states, attention_mask)
         attn_output, attn_weights = kernel(
             self, query_states, key_states, value_states, attention_mask, lambda_full, **kwargs
         )
 
-        attn_output = (1 - self.differential_lambda.lambda_init) * self.head_norm(attn_output)
+        attn_output = self.head_norm(attn_output)
+        # x·(1 − λ_init) as x + (−λ_init)·x: one aten op, where multiplying by a Python number takes five.
+        attn_output = torch.add(attn_output, attn_output, alpha=-self.differential_lambda.lambda_init)
         attn_output = attn_output.to(hidden_states.dtype).reshape(*input_shape, -1)
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
+
+    def _lambda(self, past_key_values: Cache | None) -> torch.Tensor:
+        """This layer's λ. Decoding without autograd reuses the λ computed earlier with the same cache (one
+        generation), as long as no λ vector was modified in place (their version counters) or replaced (their data
+        pointers); anything else computes it afresh (16 aten ops)."""
+        if past_key_values is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return self.differential_lambda()
+        vectors = [getattr(self.differential_lambda, name) for name in LAMBDA_VECTOR_NAMES]
+        key = tuple((vector._version, vector.data_ptr(), vector.dtype, vector.device) for vector in vectors)
+        cached = getattr(past_key_values, "_differential_lambdas", None)
+        if cached is None:
+            cached = past_key_values._differential_lambdas = {}
+        entry = cached.get(self.layer_idx)
+        if entry is None or entry[0] != key:
+            entry = cached[self.layer_idx] = (key, self.differential_lambda())
+        return entry[1]
 
     @staticmethod
     def pair_maps(maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
