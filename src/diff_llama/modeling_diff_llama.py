@@ -469,8 +469,9 @@ def paired_sdpa_cpu_differential_attention(module, query, key, value, attention_
     return differential, None
 
 
-# Query rows per block of the blocked kernel. On the benchmark CPU (fp32, 8 heads of 64, 2 threads) 64 rows beat 32,
-# 128 and 256 at 512 and 2048 tokens (bench/results/kernels.md).
+# Query rows per block of the blocked kernel. On the benchmark CPU (fp32, 8 heads of 64, 2 threads, lightly loaded)
+# 64 rows beat 32, 128 and 256 at 512 and 2048 tokens; under heavy load larger blocks lose less
+# (bench/results/attention_core*.md).
 BLOCKED_KERNEL_ROWS = 64
 
 
@@ -551,15 +552,16 @@ ALL_DIFFERENTIAL_KERNELS = DifferentialAttentionInterface()
 # A kernel that does not support a call (see `supports`) passes it to the next matching entry; "generic" ends it.
 DIFFERENTIAL_KERNEL_DISPATCH = [
     ("sdpa", "*", "decode", "decode",
-     "CPU, one token, 128-token prompt: 0.86-0.94x Llama's tokens/s against 0.84x for two generic calls "
-     "(bench/results/model.md). Plain matmuls, so it runs on CUDA too; unmeasured there."),
-    ("sdpa", "cpu", "prefill", "blocked",
-     "CPU fp32, attention layer at 2048 tokens: see bench/results/kernels.md (blocked vs the padded one-call path)."),
+     "CPU, fp32, one token after 128: 0.94-0.96x Llama's tokens/s at batch 1 and 8, where the generic path's two "
+     "calls gave 0.74-0.91x in the same run (bench/results/model-kernels.md). Plain bmm and softmax, so it runs on "
+     "CUDA too; unmeasured there."),
     ("sdpa", "cpu", "train", "blocked",
-     "CPU fp32, train step b4x256: see bench/results/kernels.md (blocked vs paired_sdpa_cpu)."),
+     "CPU, fp32, train step b4x256: peak memory 1.02x Llama's against 1.07x (paired_sdpa_cpu) and 1.14x (generic), "
+     "and 0.94x Llama's time against 1.16x and 1.06x, in one run (bench/results/model-kernels.md)."),
     ("*", "*", "*", "generic",
-     "The default: exact on every backend and device; CUDA (SDPA, flash-attention 2) is unmeasured, so it keeps "
-     "the generic one-call path."),
+     "The default: exact on every backend and device. CPU prefill stays here: one fused SDPA call per layer beat the "
+     "blocked kernel's ~6 ops per block of 64 rows at 512 and 2048 tokens on the loaded benchmark machine (fp32, "
+     "bf16); CUDA (SDPA, flash-attention 2) is unmeasured, so it keeps the one-call path."),
 ]
 
 
