@@ -240,9 +240,9 @@ def test_dispatch_picks_by_backend_device_and_step():
         picked[backend, "train"] = select_differential_kernel(attention, query.requires_grad_(), key, None)
         query = query.detach()
     kernels = ALL_DIFFERENTIAL_KERNELS
-    expected = {rule[:3]: rule[3] for rule in modeling.DIFFERENTIAL_KERNEL_DISPATCH}
-    assert picked["sdpa", "prefill"].function is kernels[expected["sdpa", "cpu", "prefill"]].function
-    assert picked["sdpa", "train"].function is kernels[expected["sdpa", "cpu", "train"]].function
+    # The measured CPU choices (see DIFFERENTIAL_KERNEL_DISPATCH and bench/results/model-kernels*.md).
+    assert picked["sdpa", "prefill"].function is kernels["generic"].function
+    assert picked["sdpa", "train"].function is kernels["blocked"].function
     assert picked["sdpa", "decode"].function is kernels["decode"].function
     for step in ("prefill", "decode", "train"):  # eager keeps the generic path: it returns the maps
         assert picked["eager", step].function is kernels["generic"].function

@@ -285,22 +285,30 @@ def _future_is_masked(attention_mask: torch.Tensor, query_len: int, key_len: int
     return not bool((allowed & future).any())
 
 
-def _mask_block(scores, attention_mask, start, stop, columns, offset, group):
+def _block_masking(attention_mask, block_size, device):
+    """What `_mask_block` applies, prepared once per call rather than once per block (on a busy CPU every op of a
+    multi-threaded kernel waits for its threads): causal, the future pattern of a diagonal block; boolean, the
+    positions to hide; additive, the mask itself."""
+    if attention_mask is None:
+        return torch.ones(block_size, block_size, dtype=torch.bool, device=device).triu_(1)
+    return ~attention_mask if attention_mask.dtype == torch.bool else attention_mask
+
+
+def _mask_block(scores, attention_mask, masking, start, stop, columns, offset, group):
     """Mask the scores of query rows start..stop (rows ordered (token, query head of the group)) in place."""
     batch, kv_heads, _, _ = scores.shape
     rows = stop - start
     view = scores.view(batch, kv_heads, rows, group, columns)
     if attention_mask is None:
-        # Causal, no padding: only the block's last `rows` columns hold future keys.
+        # Causal, no padding: only the block's last `rows` columns hold future keys (the columns stop at the block's
+        # last row).
         if rows > 1:
-            diagonal = start + offset
-            future = torch.ones(rows, columns - diagonal, dtype=torch.bool, device=scores.device).triu_(1)
-            view[..., diagonal:].masked_fill_(future[:, None], float("-inf"))
+            view[..., start + offset :].masked_fill_(masking[:rows, None, :rows], float("-inf"))
         return scores
-    mask = attention_mask[:, :, start:stop, :columns, None].transpose(-1, -2)  # (batch, 1, rows, 1, columns)
-    if mask.dtype == torch.bool:
+    mask = masking[:, :, start:stop, :columns, None].transpose(-1, -2)  # (batch, 1, rows, 1, columns)
+    if attention_mask.dtype == torch.bool:
         # The most negative finite value, as eager's additive masks: a fully masked (padded) row stays finite.
-        view.masked_fill_(~mask, torch.finfo(scores.dtype).min)
+        view.masked_fill_(mask, torch.finfo(scores.dtype).min)
     else:
         view.add_(mask.to(scores.dtype))
     return scores
@@ -337,12 +345,13 @@ class BlockedDifferentialAttention(torch.autograd.Function):
         if save_statistics:  # row maximum and sum of exp(score - maximum), per map and query row
             row_max = query.new_empty(batch, kv_heads, query_len * group, 1, dtype=softmax_dtype)
             row_sum = torch.empty_like(row_max)
+        masking = _block_masking(attention_mask, block_size, query.device)
         for start in range(0, query_len, block_size):
             stop = min(start + block_size, query_len)
             rows = slice(start * group, stop * group)
             columns = stop + offset if skip_future else key_len
             scores = torch.matmul(rows_query[:, :, rows], key[:, :, :columns].transpose(2, 3)).to(softmax_dtype)
-            scores = _mask_block(scores, attention_mask, start, stop, columns, offset, group)
+            scores = _mask_block(scores, attention_mask, masking, start, stop, columns, offset, group)
             if save_statistics:
                 # Not a single log-sum-exp: for a fully masked (padded) row, min + log(n) rounds to min, and the
                 # recomputed map would not be eager's uniform one.
@@ -381,12 +390,13 @@ class BlockedDifferentialAttention(torch.autograd.Function):
         grad_key = torch.zeros_like(key, dtype=softmax_dtype)
         grad_pairs = torch.zeros_like(value_pairs, dtype=softmax_dtype)
         grad_lambda = torch.zeros((), dtype=softmax_dtype, device=query.device)
+        masking = _block_masking(attention_mask, block_size, query.device)
         for start in range(0, query_len, block_size):
             stop = min(start + block_size, query_len)
             rows = slice(start * group, stop * group)
             columns = stop + offset if skip_future else key_len
             scores = torch.matmul(rows_query[:, :, rows], key[:, :, :columns].transpose(2, 3)).to(softmax_dtype)
-            scores = _mask_block(scores, attention_mask, start, stop, columns, offset, group)
+            scores = _mask_block(scores, attention_mask, masking, start, stop, columns, offset, group)
             maps = scores.sub_(row_max[:, :, rows]).exp_().div_(row_sum[:, :, rows])  # A1 (first G/2 heads), A2
             differential = torch.addcmul(maps[:, :half], maps[:, half:], lam, value=-1).to(value.dtype)
             grad_block = grad_output[:, :, rows]
