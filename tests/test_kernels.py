@@ -324,3 +324,10 @@ def test_head_norm_is_rms_norm():
     torch.testing.assert_close(norm(x), x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 0.3), rtol=0, atol=1e-14)
     norm.eps = 1e-6  # the converter sets it after construction
     torch.testing.assert_close(norm(x), x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), rtol=0, atol=1e-14)
+    # A zero output (a converted LLaMA's zero GQA group) must keep rms_norm's gradient, not 0/0 from the norm.
+    zero = torch.zeros(2, 16, dtype=torch.float64, requires_grad=True)
+    reference = zero.detach().clone().requires_grad_()
+    weights = torch.arange(16, dtype=torch.float64)
+    (norm(zero) * weights).sum().backward()
+    (torch.nn.functional.rms_norm(reference, (16,), eps=1e-6) * weights).sum().backward()
+    torch.testing.assert_close(zero.grad, reference.grad, rtol=1e-12, atol=0)

@@ -549,7 +549,12 @@ class DifferentialAttentionInterface(GeneralInterface):
         ),
     }
 
-    def get(self, name):
+    def get_kernel(self, name: str) -> DifferentialKernel:
+        if name not in self:
+            raise ValueError(
+                f"Unknown differential kernel {name!r}; choose one of {self.valid_keys()} or None (automatic), or "
+                f"register it with `DifferentialAttentionInterface.register`."
+            )
         kernel = self[name]
         return kernel if isinstance(kernel, DifferentialKernel) else DifferentialKernel(kernel)
 
@@ -586,16 +591,16 @@ def select_differential_kernel(module, query, key, attention_mask) -> Differenti
     matching entry of `DIFFERENTIAL_KERNEL_DISPATCH` that supports it."""
     chosen = getattr(module.config, "differential_kernel", None)
     if chosen is not None:
-        kernel = ALL_DIFFERENTIAL_KERNELS.get(chosen)
+        kernel = ALL_DIFFERENTIAL_KERNELS.get_kernel(chosen)
         if kernel.supports(module, query, key, attention_mask):
             return kernel
     backend, device, step = module.config._attn_implementation, query.device.type, _step(query)
     for rule_backend, rule_device, rule_step, name, _why in DIFFERENTIAL_KERNEL_DISPATCH:
         if rule_backend in ("*", backend) and rule_device in ("*", device) and rule_step in ("*", step):
-            kernel = ALL_DIFFERENTIAL_KERNELS.get(name)
+            kernel = ALL_DIFFERENTIAL_KERNELS.get_kernel(name)
             if kernel.supports(module, query, key, attention_mask):
                 return kernel
-    return ALL_DIFFERENTIAL_KERNELS.get("generic")
+    return ALL_DIFFERENTIAL_KERNELS.get_kernel("generic")
 
 
 class DiffLlamaAttention(nn.Module):
