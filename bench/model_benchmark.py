@@ -148,7 +148,8 @@ def main():
     parser.add_argument("--skip-compile", action="store_true", help="leave out the compiled static-cache decode")
     parser.add_argument("--only", metavar="TEXT", help="measure only the figures whose name contains TEXT "
                         "(e.g. decode); results are printed, not written")
-    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
+    parser.add_argument("--models", default=",".join(MODELS[:5]),
+                        help="comma-separated subset of " + ", ".join(MODELS) + " (default: the first five)")
     parser.add_argument("--prefill-8192", action="store_true", help="add whole-model prefill at 8192 tokens")
     parser.add_argument("--output", default=None, help="results name under bench/results (default: model, or "
                         "model-bfloat16)")
