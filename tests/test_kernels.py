@@ -248,6 +248,9 @@ def test_dispatch_picks_by_backend_device_and_step():
         assert picked["eager", step].function is kernels["generic"].function
     # A chosen kernel serves the calls it supports; the others keep the automatic choice.
     model.set_attn_implementation("sdpa")
+    # bf16 training on CPU: the paired SDPA kernel (the blocked one is slow there).
+    bf16_query = query.to(torch.bfloat16).requires_grad_()
+    assert select_differential_kernel(attention, bf16_query, key, None).function is kernels["paired_sdpa_cpu"].function
     model.set_differential_kernel("decode")
     with torch.no_grad():
         assert select_differential_kernel(attention, query[:, :, :1], key, None).function is kernels["decode"].function

@@ -562,21 +562,29 @@ class DifferentialAttentionInterface(GeneralInterface):
 ALL_DIFFERENTIAL_KERNELS = DifferentialAttentionInterface()
 
 
-# The automatic choice: (attention backend, device type, step) -> kernel, first match wins, "*" matches anything;
-# steps: "prefill" (no autograd), "train" (autograd on), "decode" (one query token). Each entry says why it wins.
-# A kernel that does not support a call (see `supports`) passes it to the next matching entry; "generic" ends it.
+# The automatic choice: (attention backend, device type, step, dtypes) -> kernel, first match wins, "*" matches
+# anything; steps: "prefill" (no autograd), "train" (autograd on), "decode" (one query token); dtypes: the query's
+# dtype. Each entry says why it wins. A kernel that does not support a call (see `supports`) passes it to the next
+# matching entry; "generic" ends the list.
+_FULL_PRECISION = (torch.float32, torch.float64)
 DIFFERENTIAL_KERNEL_DISPATCH = [
-    ("sdpa", "*", "decode", "decode",
-     "CPU, fp32, one token after 128: 0.94-0.96x Llama's tokens/s at batch 1 and 8, where the generic path's two "
-     "calls gave 0.74-0.91x in the same run (bench/results/model-kernels.md). Plain bmm and softmax, so it runs on "
-     "CUDA too; unmeasured there."),
-    ("sdpa", "cpu", "train", "blocked",
+    ("sdpa", "*", "decode", "*", "decode",
+     "CPU, fp32, one token after 128: 0.94-0.96x Llama's tokens/s at batch 1 and 8 where the generic path's two calls "
+     "gave 0.74-0.91x (bench/results/model-kernels-loaded.md); aten ops per step 1006 against Llama's 893 "
+     "(bench/results/decode_ops.md). Plain bmm and softmax, so it runs on CUDA too; unmeasured there."),
+    ("sdpa", "cpu", "train", _FULL_PRECISION, "blocked",
      "CPU, fp32, train step b4x256: peak memory 1.02x Llama's against 1.07x (paired_sdpa_cpu) and 1.14x (generic), "
-     "and 0.94x Llama's time against 1.16x and 1.06x, in one run (bench/results/model-kernels.md)."),
-    ("*", "*", "*", "generic",
-     "The default: exact on every backend and device. CPU prefill stays here: one fused SDPA call per layer beat the "
-     "blocked kernel's ~6 ops per block of 64 rows at 512 and 2048 tokens on the loaded benchmark machine (fp32, "
-     "bf16); CUDA (SDPA, flash-attention 2) is unmeasured, so it keeps the one-call path."),
+     "time 0.94x against 1.16x and 1.06x, in one run (bench/results/model-kernels-loaded.md); its core beats the "
+     "padded call at 512-8192 tokens on a quiet machine (bench/results/attention_core.md)."),
+    ("sdpa", "cpu", "train", "*", "paired_sdpa_cpu",
+     "CPU, bf16: the blocked core is 4-5x Llama's SDPA (which runs on the bf16 units), the padded call 1.3-1.4x "
+     "(bench/results/attention_core-bfloat16.md); this one saves only d-wide tensors (memory 1.07x, "
+     "bench/results/model-kernels-loaded-bfloat16.md)."),
+    ("*", "*", "*", "*", "generic",
+     "The default: exact on every backend and device. CPU prefill stays here: fp32, the blocked core beats the padded "
+     "call by 6-10% on a quiet machine but lost at 512 and 2048 tokens whole-model under load (one fused call per "
+     "layer against ~6 ops per block of 64 rows); bf16, the padded call is 3-4x faster (see above). CUDA (SDPA, "
+     "flash-attention 2) is unmeasured, so it keeps the one-call path."),
 ]
 
 
@@ -595,8 +603,13 @@ def select_differential_kernel(module, query, key, attention_mask) -> Differenti
         if kernel.supports(module, query, key, attention_mask):
             return kernel
     backend, device, step = module.config._attn_implementation, query.device.type, _step(query)
-    for rule_backend, rule_device, rule_step, name, _why in DIFFERENTIAL_KERNEL_DISPATCH:
-        if rule_backend in ("*", backend) and rule_device in ("*", device) and rule_step in ("*", step):
+    for rule_backend, rule_device, rule_step, rule_dtypes, name, _why in DIFFERENTIAL_KERNEL_DISPATCH:
+        if (
+            rule_backend in ("*", backend)
+            and rule_device in ("*", device)
+            and rule_step in ("*", step)
+            and (rule_dtypes == "*" or query.dtype in rule_dtypes)
+        ):
             kernel = ALL_DIFFERENTIAL_KERNELS.get_kernel(name)
             if kernel.supports(module, query, key, attention_mask):
                 return kernel
