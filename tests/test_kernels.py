@@ -241,7 +241,7 @@ def test_dispatch_picks_by_backend_device_and_step():
         query = query.detach()
     kernels = ALL_DIFFERENTIAL_KERNELS
     # The measured CPU choices (see DIFFERENTIAL_KERNEL_DISPATCH and bench/results/model-kernels*.md).
-    assert picked["sdpa", "prefill"].function is kernels["generic"].function
+    assert picked["sdpa", "prefill"].function is kernels["blocked"].function
     assert picked["sdpa", "train"].function is kernels["blocked"].function
     assert picked["sdpa", "decode"].function is kernels["decode"].function
     for step in ("prefill", "decode", "train"):  # eager keeps the generic path: it returns the maps
@@ -251,6 +251,9 @@ def test_dispatch_picks_by_backend_device_and_step():
     # bf16 training on CPU: the paired SDPA kernel (the blocked one is slow there).
     bf16_query = query.to(torch.bfloat16).requires_grad_()
     assert select_differential_kernel(attention, bf16_query, key, None).function is kernels["paired_sdpa_cpu"].function
+    with torch.no_grad():  # bf16 prefill on CPU: the padded one-call path
+        assert select_differential_kernel(attention, query.to(torch.bfloat16), key, None).function is (
+            kernels["generic"].function)
     model.set_differential_kernel("decode")
     with torch.no_grad():
         assert select_differential_kernel(attention, query[:, :, :1], key, None).function is kernels["decode"].function

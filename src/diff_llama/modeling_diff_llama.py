@@ -569,22 +569,28 @@ ALL_DIFFERENTIAL_KERNELS = DifferentialAttentionInterface()
 _FULL_PRECISION = (torch.float32, torch.float64)
 DIFFERENTIAL_KERNEL_DISPATCH = [
     ("sdpa", "*", "decode", "*", "decode",
-     "CPU, fp32, one token after 128: 0.94-0.96x Llama's tokens/s at batch 1 and 8 where the generic path's two calls "
-     "gave 0.74-0.91x (bench/results/model-kernels-loaded.md); aten ops per step 1006 against Llama's 893 "
+     "CPU, fp32, one token after 128, quiet: 0.98x / 0.96x / 0.97x Llama's tokens/s (batch 1, batch 8, static cache) "
+     "(bench/results/model-kernels.md); under load the generic path's two calls gave 0.74-0.91x against this "
+     "kernel's 0.91-0.96x (bench/results/model-kernels-loaded.md); aten ops per step 1006 against Llama's 893 "
      "(bench/results/decode_ops.md). Plain bmm and softmax, so it runs on CUDA too; unmeasured there."),
+    ("sdpa", "cpu", "prefill", _FULL_PRECISION, "blocked",
+     "CPU, fp32, quiet machine, one run (bench/results/model-kernels.md): whole-model prefill 1.04x / 1.16x / 1.11x "
+     "Llama at 512 / 2048 / 8192 tokens against 1.16x / 1.27x / 1.26x for the padded call; attention layer at 2048 "
+     "1.17x against 1.47x. Under heavy load (load 6-9 on 2 cores) it lost at 512 and 2048: each of its ~6 ops per "
+     "block waits for descheduled threads (bench/results/model-kernels-loaded.md, kernel_profile-loaded-2048.md)."),
     ("sdpa", "cpu", "train", _FULL_PRECISION, "blocked",
-     "CPU, fp32, train step b4x256: peak memory 1.02x Llama's against 1.07x (paired_sdpa_cpu) and 1.14x (generic), "
-     "time 0.94x against 1.16x and 1.06x, in one run (bench/results/model-kernels-loaded.md); its core beats the "
-     "padded call at 512-8192 tokens on a quiet machine (bench/results/attention_core.md)."),
+     "CPU, fp32, train step b4x256, quiet: 1.06x Llama's time and 1.04x its peak memory, against 1.17x / 1.05x "
+     "(paired_sdpa_cpu) (bench/results/model-kernels.md); under load: memory 1.02x against 1.07x (paired) and 1.14x "
+     "(generic) (bench/results/model-kernels-loaded.md)."),
     ("sdpa", "cpu", "train", "*", "paired_sdpa_cpu",
      "CPU, bf16: the blocked core is 4-5x Llama's SDPA (which runs on the bf16 units), the padded call 1.3-1.4x "
      "(bench/results/attention_core-bfloat16.md); this one saves only d-wide tensors (memory 1.07x, "
      "bench/results/model-kernels-loaded-bfloat16.md)."),
     ("*", "*", "*", "*", "generic",
-     "The default: exact on every backend and device. CPU prefill stays here: fp32, the blocked core beats the padded "
-     "call by 6-10% on a quiet machine but lost at 512 and 2048 tokens whole-model under load (one fused call per "
-     "layer against ~6 ops per block of 64 rows); bf16, the padded call is 3-4x faster (see above). CUDA (SDPA, "
-     "flash-attention 2) is unmeasured, so it keeps the one-call path."),
+     "The default: exact on every backend and device. CPU bf16 prefill stays here: Llama's SDPA runs on the bf16 "
+     "units and the padded call stays within 1.3-1.4x of it, where the blocked core is 4-5x "
+     "(bench/results/attention_core-bfloat16.md). CUDA (SDPA, flash-attention 2) is unmeasured, so it keeps the "
+     "one-call path."),
 ]
 
 
