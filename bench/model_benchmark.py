@@ -29,13 +29,20 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).parent / "results"
-MODELS = ("llama", "diff-llama", "built-in", "diff-llama v2", "llama 2x heads")
+MODELS = ("llama", "diff-llama", "built-in", "diff-llama v2", "llama 2x heads", "diff-llama padded", "diff-llama blocked",
+          "diff-llama paired")
+# Version 1 with one kernel forced where it applies (`model.set_differential_kernel`), to compare kernels in one run:
+# "padded" = "generic" (the configured backend on the padded one-call layout; two calls when decoding), "blocked"
+# (every step, decoding included), "paired" = "paired_sdpa_cpu" (CPU training only). "diff-llama" itself runs the
+# automatic choice (DIFFERENTIAL_KERNEL_DISPATCH).
+FORCED_KERNELS = {"diff-llama padded": "generic", "diff-llama blocked": "blocked", "diff-llama paired": "paired_sdpa_cpu"}
 # The ratios the table reports: (model, baseline).
 RATIOS = (("diff-llama", "llama"), ("diff-llama", "built-in"), ("diff-llama v2", "llama"),
-          ("diff-llama v2", "llama 2x heads"))
+          ("diff-llama v2", "llama 2x heads"), ("diff-llama padded", "llama"), ("diff-llama blocked", "llama"),
+          ("diff-llama paired", "llama"))
 TWICE_THE_QUERY_HEADS = dict(num_attention_heads=16, num_key_value_heads=8, head_dim=64)
 SHAPE = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=8, max_position_embeddings=4096)
+             num_key_value_heads=8, max_position_embeddings=8192)
 
 
 def build(name: str, dtype: torch.dtype):
@@ -48,10 +55,10 @@ def build(name: str, dtype: torch.dtype):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         model = LlamaForCausalLM(LlamaConfig(**{**SHAPE, **TWICE_THE_QUERY_HEADS}))
-    elif name == "diff-llama":
+    elif name == "diff-llama" or name in FORCED_KERNELS:
         from diff_llama import DiffLlamaConfig, DiffLlamaForCausalLM
 
-        model = DiffLlamaForCausalLM(DiffLlamaConfig(**SHAPE))
+        model = DiffLlamaForCausalLM(DiffLlamaConfig(**SHAPE, differential_kernel=FORCED_KERNELS.get(name)))
     elif name == "diff-llama v2":
         from diff_llama import DiffLlamaConfig, DiffLlamaForCausalLM
 
@@ -141,12 +148,18 @@ def main():
     parser.add_argument("--skip-compile", action="store_true", help="leave out the compiled static-cache decode")
     parser.add_argument("--only", metavar="TEXT", help="measure only the figures whose name contains TEXT "
                         "(e.g. decode); results are printed, not written")
+    parser.add_argument("--models", default=",".join(MODELS[:5]),
+                        help="comma-separated subset of " + ", ".join(MODELS) + " (default: the first five)")
+    parser.add_argument("--prefill-8192", action="store_true", help="add whole-model prefill at 8192 tokens")
+    parser.add_argument("--output", default=None, help="results name under bench/results (default: model, or "
+                        "model-bfloat16)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    models = {name: build(name, dtype) for name in MODELS}
+    args.models = [name for name in MODELS if name in args.models.split(",")]
+    models = {name: build(name, dtype) for name in args.models}
     generator = torch.Generator().manual_seed(0)
-    long_ids = torch.randint(0, 32000, (8, 2048), generator=generator)
+    long_ids = torch.randint(0, 32000, (8, 8192), generator=generator)
     train_batch = torch.randint(0, 32000, (4, 256), generator=generator)
 
     from transformers import CompileConfig
@@ -157,7 +170,7 @@ def main():
     figures = {
         "attention layer 2048 (ms)": lambda m: 1000 * attention_layer_seconds(m, hidden_states),
         "prefill 512 (ms)": lambda m: 1000 * prefill_seconds(m, long_ids[:1, :512]),
-        "prefill 2048 (ms)": lambda m: 1000 * prefill_seconds(m, long_ids[:1]),
+        "prefill 2048 (ms)": lambda m: 1000 * prefill_seconds(m, long_ids[:1, :2048]),
         "decode b1 dynamic (tok/s)": lambda m: decode_tokens_per_second(m, long_ids[:1, :128], 32),
         "decode b8 dynamic (tok/s)": lambda m: decode_tokens_per_second(m, long_ids[:, :128], 32),
         "decode b1 static (tok/s)": lambda m: decode_tokens_per_second(
@@ -165,6 +178,8 @@ def main():
         ),
         "train step b4x256 (ms)": lambda m: 1000 * training_step_seconds(m, train_batch),
     }
+    if args.prefill_8192:
+        figures["prefill 8192 (ms)"] = lambda m: 1000 * prefill_seconds(m, long_ids[:1])
     if not args.skip_compile:
         figures["decode b1 static+compile (tok/s)"] = lambda m: decode_tokens_per_second(
             m, long_ids[:1, :128], 32, cache_implementation="static", compile_config=compile_config
@@ -190,33 +205,38 @@ def main():
     if args.only:
         for label, values in results.items():
             print(f"{label}: " + ", ".join(f"{name} {value:.1f}" for name, value in values.items()) + "; "
-                  + ", ".join(f"{a} / {b} {values[a] / values[b]:.3f}" for a, b in RATIOS))
+                  + ", ".join(f"{a} / {b} {values[a] / values[b]:.3f}" for a, b in RATIOS
+                              if a in values and b in values))
         return
     write_results(results, args)
 
 
 def write_results(results, args):
     RESULTS.mkdir(exist_ok=True)
+    name = args.output or ("model" if args.dtype == "float32" else f"model-{args.dtype}")
+    models = args.models
+    ratios = [(a, b) for a, b in RATIOS if a in models and b in models]
     meta = {"shape": SHAPE, "dtype": args.dtype, "threads": args.threads, "rounds": args.rounds,
-            "torch": torch.__version__}
-    (RESULTS / "model.json").write_text(json.dumps({"config": meta, "results": results}, indent=2) + "\n")
+            "torch": torch.__version__, "models": models}
+    (RESULTS / f"{name}.json").write_text(json.dumps({"config": meta, "results": results}, indent=2) + "\n")
     lines = [
         f"hidden {SHAPE['hidden_size']}, {SHAPE['num_attention_heads']} heads, {SHAPE['num_hidden_layers']} layers, "
         f"{args.dtype}, {args.threads} threads, medians of {args.rounds} interleaved rounds. Times: lower is better; "
         "tok/s: higher is better.",
         "",
-        "| figure | " + " | ".join(MODELS) + " | " + " | ".join(f"{a} / {b}" for a, b in RATIOS) + " |",
-        "|---" * (1 + len(MODELS) + len(RATIOS)) + "|",
+        "| figure | " + " | ".join(models) + " | " + " | ".join(f"{a} / {b}" for a, b in ratios) + " |",
+        "|---" * (1 + len(models) + len(ratios)) + "|",
     ]
     for label, values in results.items():
-        lines.append(f"| {label} | " + " | ".join(f"{values[name]:.1f}" for name in MODELS) + " | "
-                     + " | ".join(f"{values[a] / values[b]:.2f}" for a, b in RATIOS) + " |")
-    (RESULTS / "model.md").write_text("\n".join(lines) + "\n")
+        lines.append(f"| {label} | " + " | ".join(f"{values[name]:.1f}" for name in models) + " | "
+                     + " | ".join(f"{values[a] / values[b]:.2f}" for a, b in ratios) + " |")
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    plot(results)
+    if {"llama", "diff-llama", "built-in", "diff-llama v2"} <= set(models):
+        plot(results, RESULTS / f"{name}.png")
 
 
-def plot(results):
+def plot(results, path):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -235,7 +255,7 @@ def plot(results):
     ax.set_title("Differential attention on CPU: ratio to LlamaForCausalLM of the same shape")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "model.png", dpi=120)
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from conftest import SAMPLE_TEXT, tiny_config, tiny_model
 from diff_llama import DiffLlamaForCausalLM
-from diff_llama.modeling_diff_llama import CausalPairedAttentionCPU
+from diff_llama.modeling_diff_llama import BlockedDifferentialAttention, CausalPairedAttentionCPU
 
 
 def test_fresh_model_initialisation():
@@ -133,9 +133,11 @@ def test_device_map_auto_with_disk_offload(tmp_path):
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(6, 3), (8, 2), (4, 1), (8, 8)])
-def test_sdpa_training_path_gives_the_generic_gradients(heads, kv_heads):
-    """CPU training with SDPA and no padding mask runs CausalPairedAttentionCPU (lighter backward): same loss and
-    gradients as the eager path, in float64."""
+@pytest.mark.parametrize("kernel,function", [("paired_sdpa_cpu", CausalPairedAttentionCPU),
+                                             ("blocked", BlockedDifferentialAttention)])
+def test_sdpa_training_kernels_give_the_generic_gradients(heads, kv_heads, kernel, function):
+    """CPU training with SDPA through each training kernel (no padding mask): same loss and gradients as the eager
+    generic path, in float64, λ included. (tests/test_kernels.py covers padding masks and the kernel alone.)"""
     torch.manual_seed(0)
     input_ids = torch.randint(3, 128, (2, 16))
     grads = {}
@@ -146,7 +148,8 @@ def test_sdpa_training_path_gives_the_generic_gradients(heads, kv_heads):
                 if "lambda_" in name:
                     param.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
         model.set_attn_implementation(attn)
-        with mock.patch.object(CausalPairedAttentionCPU, "apply", wraps=CausalPairedAttentionCPU.apply) as spy:
+        model.set_differential_kernel(kernel if attn == "sdpa" else "generic")
+        with mock.patch.object(function, "apply", wraps=function.apply) as spy:
             loss = model(input_ids, labels=input_ids).loss
         assert spy.call_count == (model.config.num_hidden_layers if attn == "sdpa" else 0)
         loss.backward()

@@ -21,6 +21,7 @@ from .modeling_diff_llama import (
     DiffLlamaForTokenClassification,
     DiffLlamaModel,
     DiffLlamaPreTrainedModel,
+    DifferentialAttentionInterface,
     differential_attention_maps,
 )
 
@@ -52,4 +53,5 @@ __all__ = [
     "DiffLlamaForTokenClassification",
     "DiffLlamaForQuestionAnswering",
     "differential_attention_maps",
+    "DifferentialAttentionInterface",
 ]

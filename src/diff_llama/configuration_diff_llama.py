@@ -43,6 +43,11 @@ class DiffLlamaConfig(PreTrainedConfig):
             Differential attention variant: 1, the paper's (two maps per head over a 2d-wide value, λ per layer,
             per-head RMSNorm); 2, DIFF V2 (adjacent maps, λ per token and head from `lambda_proj`, no head norm,
             one ordinary attention call and the LLaMA's KV cache).
+        differential_kernel (`str`, *optional*):
+            Version 1: the differential attention kernel to use where it applies ("generic", "blocked", "decode",
+            "paired_sdpa_cpu", or one registered with `DifferentialAttentionInterface`); `None` (the default) picks
+            one per attention backend, device and step (see `DIFFERENTIAL_KERNEL_DISPATCH` in the modeling file).
+            `model.set_differential_kernel(name)` sets it. Every kernel computes the same function.
         attention_dropout (`float`, defaults to 0.0):
             Must be 0: the paper defines no dropout for the differential map (see the error message).
 
@@ -82,6 +87,7 @@ class DiffLlamaConfig(PreTrainedConfig):
         lambda_std_dev: float = 0.1,
         diff_version: int = 1,
         head_norm_eps: float | list[float] | None = None,
+        differential_kernel: str | None = None,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -103,6 +109,7 @@ class DiffLlamaConfig(PreTrainedConfig):
         self.lambda_std_dev = lambda_std_dev
         self.diff_version = diff_version
         self.head_norm_eps = head_norm_eps
+        self.differential_kernel = differential_kernel
         if self.head_dim is None and isinstance(num_attention_heads, int) and num_attention_heads > 0:
             self.head_dim = hidden_size // num_attention_heads  # as LlamaConfig; validated when a model is built
         self.pad_token_id = pad_token_id

@@ -43,7 +43,7 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, is_torch_distributed_available
-from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.generic import GeneralInterface, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_diff_llama import DiffLlamaConfig
@@ -57,7 +57,7 @@ class DiffLlamaRMSNorm(LlamaRMSNorm):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # Llama's RMSNorm, computed in float32 or wider (Llama's always drops to float32, even for float64 models).
         input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.promote_types(input_dtype, torch.float32))
+        hidden_states = hidden_states.to(_float32_or_wider(input_dtype))
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
         return self.weight * hidden_states.to(input_dtype)
@@ -74,6 +74,11 @@ class DiffLlamaRotaryEmbedding(LlamaRotaryEmbedding):
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+def _float32_or_wider(dtype: torch.dtype) -> torch.dtype:
+    """torch.promote_types(dtype, float32) for real dtypes, in Python: the torch call is an aten op of its own."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def lambda_init_fn(layer_idx: int) -> float:
@@ -108,7 +113,7 @@ class DiffLlamaLambda(nn.Module):
     def forward(self) -> torch.Tensor:
         """λ as a scalar tensor in float32 (or float64 for a float64 model): never in half precision, where exp() of
         a dot product loses the small λ updates."""
-        dtype = torch.promote_types(self.lambda_q1.dtype, torch.float32)
+        dtype = _float32_or_wider(self.lambda_q1.dtype)
         dot1 = torch.dot(self.lambda_q1.to(dtype), self.lambda_k1.to(dtype))
         dot2 = torch.dot(self.lambda_q2.to(dtype), self.lambda_k2.to(dtype))
         return torch.exp(dot1) - torch.exp(dot2) + self.lambda_init
@@ -121,6 +126,28 @@ class DiffLlamaFloat32Linear(nn.Linear):
         dtype = torch.promote_types(hidden_states.dtype, torch.float32)
         bias = None if self.bias is None else self.bias.to(dtype)
         return nn.functional.linear(hidden_states.to(dtype), self.weight.to(dtype), bias)
+
+
+class DiffLlamaHeadNorm(nn.RMSNorm):
+    """The paper's per-head RMSNorm over the 2d-wide output, without affine weight: nn.RMSNorm's function in four
+    aten ops (F.rms_norm runs 23 on CPU), since a decoding step pays for every op."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return super().forward(hidden_states)
+        # x / sqrt(mean(x²) + eps) = x · rsqrt(eps + ‖x‖² / n); eps as a tensor, since a Python number is wrapped and
+        # copied by every op that takes it.
+        eps = self._eps_tensor(hidden_states)
+        norm = torch.linalg.vector_norm(hidden_states, dim=-1, keepdim=True)
+        return hidden_states * torch.rsqrt(torch.addcmul(eps, norm, norm, value=1 / hidden_states.shape[-1]))
+
+    def _eps_tensor(self, like: torch.Tensor) -> torch.Tensor:
+        eps = self.eps if self.eps is not None else torch.finfo(like.dtype).eps  # nn.RMSNorm's default
+        key = (like.device, like.dtype, eps)
+        cached = getattr(self, "_eps_cache", None)
+        if cached is None or cached[0] != key:
+            cached = self._eps_cache = (key, torch.tensor(eps, dtype=like.dtype, device=like.device))
+        return cached[1]
 
 
 class DiffLlamaV2Lambda(nn.Module):
@@ -180,22 +207,31 @@ def differential_decode_attention(
     interface: None, boolean (True = attend) or additive.
     """
     batch, num_heads, _, head_dim = query.shape
-    kv_heads = key.shape[1]
+    kv_heads, key_len = key.shape[1], key.shape[2]
     group = num_heads // kv_heads
-    # Query heads of one key/value head as rows: (batch, G, group, kv_len).
-    scores = torch.matmul((query * scaling).reshape(batch, kv_heads, group, head_dim), key.transpose(2, 3))
+    # 3-D views and bmm: matmul on 4-D tensors adds a dozen aten ops of expands and reshapes, and a decoding step
+    # pays for every op. Query heads of one key/value head are the rows: (batch * G, group, d).
+    rows = query.reshape(batch * kv_heads, group, head_dim)
+    rows = torch.add(rows, rows, alpha=scaling - 1)  # rows·scaling in one op (a Python multiplier costs five)
+    scores = torch.bmm(rows, key.reshape(batch * kv_heads, key_len, head_dim).transpose(1, 2))
     if attention_mask is not None:
+        view = scores.view(batch, kv_heads, group, key_len)
         if attention_mask.dtype == torch.bool:
-            scores = torch.where(attention_mask, scores, torch.finfo(scores.dtype).min)
+            scores = torch.where(attention_mask, view, torch.finfo(scores.dtype).min).view_as(scores)
         else:
-            scores = scores + attention_mask
-    maps = nn.functional.softmax(scores, dim=-1, dtype=torch.promote_types(query.dtype, torch.float32))
-    maps = maps.to(value.dtype)
+            scores = (view + attention_mask).view_as(scores)
+    maps = torch.softmax(scores, dim=-1, dtype=_float32_or_wider(query.dtype))
+    if maps.dtype != value.dtype:
+        maps = maps.to(value.dtype)
     # Every value head must be read by the maps of both halves: next to each value head, stack the maps of the same
-    # position in both halves (map 1, then map 2), so that one matmul gives every (map, value half) product.
-    halves = maps.view(batch, 1, 2, kv_heads // 2, group, -1).transpose(2, 3)  # (batch, 1, G/2, 2 maps, group, T)
-    both = halves.expand(batch, 2, -1, -1, -1, -1).reshape(batch, kv_heads, 2 * group, -1)
-    products = torch.matmul(both, value).view(batch, 2, kv_heads // 2, 2, group, head_dim).to(lambda_full.dtype)
+    # position in both halves (map 1, then map 2), so that one bmm gives every (map, value half) product.
+    halves = maps.view(batch, 2, kv_heads // 2, group, key_len).transpose(1, 2)  # (batch, G/2, 2 maps, group, T)
+    both = halves.reshape(batch, 1, kv_heads // 2, 2 * group, key_len).expand(batch, 2, -1, -1, -1)
+    products = torch.bmm(both.reshape(batch * kv_heads, 2 * group, key_len),
+                         value.reshape(batch * kv_heads, key_len, head_dim))
+    products = products.view(batch, 2, kv_heads // 2, 2, group, head_dim)
+    if products.dtype != lambda_full.dtype:
+        products = products.to(lambda_full.dtype)
     # products[:, a, :, m] = A(map m)·V(half a): the differential map applied to value half a is m=0 − λ·(m=1).
     differential = torch.addcmul(products[:, :, :, 0], products[:, :, :, 1], lambda_full, value=-1)
     # (batch, value half, G/2, group, d) -> (batch, 1, H/2, 2d): differential head i = (G/2 position, group row).
@@ -211,6 +247,14 @@ def _pad_to_pairs(query, key, value):
         nn.functional.pad(query, (0, head_dim)),
         nn.functional.pad(key, (0, head_dim)),
         torch.cat([value_pairs, value_pairs], dim=1),
+    )
+
+
+def _has_cpu_flash_attention() -> bool:
+    """The private aten ops of `CausalPairedAttentionCPU`. Present since torch 2.2; a private op may go away, so the
+    dispatch checks before using them and falls back to the generic path (tested by hiding them)."""
+    return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu") and hasattr(
+        torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"
     )
 
 
@@ -247,6 +291,354 @@ def select_heads(
     """Key/value heads `heads` (in that order, repeats allowed) of (batch, G, seq, d) keys and values."""
     index = torch.tensor(heads, device=key_states.device)
     return key_states.index_select(1, index), value_states.index_select(1, index)
+
+
+def _future_is_masked(attention_mask: torch.Tensor, query_len: int, key_len: int) -> bool:
+    """Whether no query may see a key after its own position, the queries being the last `query_len` positions (any
+    causal mask, padded or not), so that the key columns right of a row block can be skipped. One pass over the mask
+    per call; a custom mask that lets queries see the future keeps every column."""
+    future = torch.ones(query_len, key_len, dtype=torch.bool, device=attention_mask.device)
+    future = future.triu_(key_len - query_len + 1)
+    mask = attention_mask[..., -query_len:, :key_len]
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    return not bool((allowed & future).any())
+
+
+def _block_masking(attention_mask, block_size, device):
+    """What `_mask_block` applies, prepared once per call rather than once per block (on a busy CPU every op of a
+    multi-threaded kernel waits for its threads): causal, the future pattern of a diagonal block; boolean, the
+    positions to hide; additive, the mask itself."""
+    if attention_mask is None:
+        return torch.ones(block_size, block_size, dtype=torch.bool, device=device).triu_(1)
+    return ~attention_mask if attention_mask.dtype == torch.bool else attention_mask
+
+
+def _mask_block(scores, attention_mask, masking, start, stop, columns, offset, group):
+    """Mask the scores of query rows start..stop (rows ordered (token, query head of the group)) in place."""
+    batch, kv_heads, _, _ = scores.shape
+    rows = stop - start
+    view = scores.view(batch, kv_heads, rows, group, columns)
+    if attention_mask is None:
+        # Causal, no padding: only the block's last `rows` columns hold future keys (the columns stop at the block's
+        # last row).
+        if rows > 1:
+            view[..., start + offset :].masked_fill_(masking[:rows, None, :rows], float("-inf"))
+        return scores
+    mask = masking[:, :, start:stop, :columns, None].transpose(-1, -2)  # (batch, 1, rows, 1, columns)
+    if attention_mask.dtype == torch.bool:
+        # The most negative finite value, as eager's additive masks: a fully masked (padded) row stays finite.
+        view.masked_fill_(mask, torch.finfo(scores.dtype).min)
+    else:
+        view.add_(mask.to(scores.dtype))
+    return scores
+
+
+class BlockedDifferentialAttention(torch.autograd.Function):
+    """Exact differential attention by blocks of query rows: (batch, q_len, H/2, 2d), before the head norm.
+
+    For each block of query rows it forms the full score rows of both maps (Q·Kᵀ costs Llama's), an exact softmax,
+    then A1 − λ·A2, one map per differential head, which meets the 2d-wide value pair once (A·V costs Llama's too:
+    H/2 maps x 2d = H maps x d). Key columns right of the block are skipped when the mask is causal. Backward
+    recomputes each block from q, k, v, λ and the saved row statistics (maximum, sum), so memory stays linear in the sequence
+    length. Matmuls run in the input dtype (bf16 keeps the CPU's bf16 units); softmax, A1 − λ·A2 and the row
+    statistics in float32 or wider.
+
+    Inputs as `differential_decode_attention`'s: query (batch, H, q_len, d), key/value (batch, G, kv_len, d) with G
+    even and query head h reading key/value head h // (H / G); λ a 0-d tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, lambda_full, attention_mask, scaling, block_size, offset, skip_future):
+        batch, num_heads, query_len, head_dim = query.shape
+        kv_heads, key_len = key.shape[1], key.shape[2]
+        group, half = num_heads // kv_heads, kv_heads // 2
+        softmax_dtype = torch.promote_types(query.dtype, torch.float32)
+        # Rows of a key/value head ordered (token, query head of its group): a block of tokens is a contiguous slice.
+        rows_query = (query * scaling).view(batch, kv_heads, group, query_len, head_dim).transpose(2, 3)
+        rows_query = rows_query.reshape(batch, kv_heads, query_len * group, head_dim)
+        key = key.contiguous()  # sliced per block: a strided key would be copied by every matmul
+        value_pairs = torch.cat((value[:, :half], value[:, half:]), dim=-1)  # (batch, G/2, kv_len, 2d)
+        lam = lambda_full.to(softmax_dtype)
+        output = query.new_empty(batch, query_len, half, group, 2 * head_dim, dtype=softmax_dtype)
+        save_statistics = any(ctx.needs_input_grad[:4])
+        if save_statistics:  # row maximum and sum of exp(score - maximum), per map and query row
+            row_max = query.new_empty(batch, kv_heads, query_len * group, 1, dtype=softmax_dtype)
+            row_sum = torch.empty_like(row_max)
+        masking = _block_masking(attention_mask, block_size, query.device)
+        for start in range(0, query_len, block_size):
+            stop = min(start + block_size, query_len)
+            rows = slice(start * group, stop * group)
+            columns = stop + offset if skip_future else key_len
+            scores = torch.matmul(rows_query[:, :, rows], key[:, :, :columns].transpose(2, 3)).to(softmax_dtype)
+            scores = _mask_block(scores, attention_mask, masking, start, stop, columns, offset, group)
+            if save_statistics:
+                # Not a single log-sum-exp: for a fully masked (padded) row, min + log(n) rounds to min, and the
+                # recomputed map would not be eager's uniform one.
+                torch.amax(scores, dim=-1, keepdim=True, out=row_max[:, :, rows])
+                maps = scores.sub_(row_max[:, :, rows]).exp_()
+                torch.sum(maps, dim=-1, keepdim=True, out=row_sum[:, :, rows])
+                maps = maps.div_(row_sum[:, :, rows])
+            else:
+                maps = torch.softmax(scores, dim=-1)
+            differential = maps[:, :half].addcmul_(maps[:, half:], lam, value=-1).to(value.dtype)
+            block = torch.matmul(differential, value_pairs[:, :, :columns])  # (batch, G/2, rows, 2d)
+            output[:, start:stop] = block.view(batch, half, stop - start, group, 2 * head_dim).transpose(1, 2)
+        if save_statistics:
+            ctx.save_for_backward(query, key, value, lambda_full, row_max, row_sum)
+            ctx.attention_mask = attention_mask
+            ctx.settings = (scaling, block_size, offset, skip_future)
+        return output.view(batch, query_len, half * group, 2 * head_dim)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, key, value, lambda_full, row_max, row_sum = ctx.saved_tensors
+        scaling, block_size, offset, skip_future = ctx.settings
+        attention_mask = ctx.attention_mask
+        batch, num_heads, query_len, head_dim = query.shape
+        kv_heads, key_len = key.shape[1], key.shape[2]
+        group, half = num_heads // kv_heads, kv_heads // 2
+        softmax_dtype = row_max.dtype
+        rows_query = (query * scaling).view(batch, kv_heads, group, query_len, head_dim).transpose(2, 3)
+        rows_query = rows_query.reshape(batch, kv_heads, query_len * group, head_dim)
+        value_pairs = torch.cat((value[:, :half], value[:, half:]), dim=-1)
+        lam = lambda_full.to(softmax_dtype)
+        # (batch, q_len, H/2, 2d) -> (batch, G/2, rows, 2d), rows ordered as in forward.
+        grad_output = grad_output.to(value.dtype).view(batch, query_len, half, group, 2 * head_dim).transpose(1, 2)
+        grad_output = grad_output.reshape(batch, half, query_len * group, 2 * head_dim)
+        grad_rows_query = torch.empty_like(rows_query, dtype=softmax_dtype)
+        grad_key = torch.zeros_like(key, dtype=softmax_dtype)
+        grad_pairs = torch.zeros_like(value_pairs, dtype=softmax_dtype)
+        grad_lambda = torch.zeros((), dtype=softmax_dtype, device=query.device)
+        masking = _block_masking(attention_mask, block_size, query.device)
+        for start in range(0, query_len, block_size):
+            stop = min(start + block_size, query_len)
+            rows = slice(start * group, stop * group)
+            columns = stop + offset if skip_future else key_len
+            scores = torch.matmul(rows_query[:, :, rows], key[:, :, :columns].transpose(2, 3)).to(softmax_dtype)
+            scores = _mask_block(scores, attention_mask, masking, start, stop, columns, offset, group)
+            maps = scores.sub_(row_max[:, :, rows]).exp_().div_(row_sum[:, :, rows])  # A1 (first G/2 heads), A2
+            differential = torch.addcmul(maps[:, :half], maps[:, half:], lam, value=-1).to(value.dtype)
+            grad_block = grad_output[:, :, rows]
+            grad_pairs[:, :, :columns] += torch.matmul(differential.transpose(2, 3), grad_block)
+            grad_differential = torch.matmul(grad_block, value_pairs[:, :, :columns].transpose(2, 3))
+            # Softmax backward of both maps, dS = A * (dA - rowsum(dA * A)), with dA1 = dP and dA2 = -λ dP.
+            paired_maps = maps.view(batch, 2, half, -1, columns)
+            grad_differential = grad_differential.to(softmax_dtype)[:, None]
+            row_sums = (paired_maps * grad_differential).sum(-1, keepdim=True)  # (batch, 2, G/2, rows, 1)
+            grad_lambda -= row_sums[:, 1].sum()
+            grad_scores = (grad_differential - row_sums).mul_(paired_maps)
+            grad_scores[:, 1].mul_(-lam)
+            grad_scores = grad_scores.view(batch, kv_heads, -1, columns).to(query.dtype)
+            grad_rows_query[:, :, rows] = torch.matmul(grad_scores, key[:, :, :columns])
+            grad_key[:, :, :columns] += torch.matmul(grad_scores.transpose(2, 3), rows_query[:, :, rows])
+        # dK = dSᵀ·(q·scaling) above already holds the scaling; dQ gets it here.
+        grad_query = (grad_rows_query * scaling).view(batch, kv_heads, query_len, group, head_dim).transpose(2, 3)
+        grad_query = grad_query.reshape(batch, num_heads, query_len, head_dim).to(query.dtype)
+        grad_value = torch.cat(grad_pairs.split(head_dim, dim=-1), dim=1).to(value.dtype)
+        return (grad_query, grad_key.to(key.dtype), grad_value, grad_lambda.to(lambda_full.dtype)) + (None,) * 5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Differential kernels and the one place that picks them.
+#
+# A differential kernel maps the attention inputs after RoPE, the cache and the GQA expansion (query (batch, H, q, d);
+# key/value (batch, G', k, d), G' even, each half of the query heads reading its own half of them) to the
+# differential heads' outputs before the head norm, (batch, q, H/2, 2d) in λ's dtype, and the softmax maps when it
+# has them. DIFF V2 runs one ordinary attention call (any backend) and needs no differential kernel.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class DifferentialKernel:
+    """A named differential kernel and the calls it can take (`supports`); the dispatch skips it for other calls."""
+
+    def __init__(self, function: Callable, supports: Callable | None = None, description: str = ""):
+        self.function = function
+        self.supports = supports or (lambda module, query, key, attention_mask: True)
+        self.description = description
+
+    def __call__(self, *args, **kwargs):
+        return self.function(*args, **kwargs)
+
+
+def generic_differential_attention(module, query, key, value, attention_mask, lambda_full, **kwargs):
+    """Every softmax map applied to the 2d-wide value pair of its differential head through the configured attention
+    backend (`config._attn_implementation`: eager, SDPA, flex, flash, or one registered with `AttentionInterface`),
+    then A1·V − λ·A2·V. Runs anywhere, and returns the maps when the backend does (eager)."""
+    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+        module.config._attn_implementation, eager_attention_forward
+    )
+    call = partial(attention_interface, module, attention_mask=attention_mask, dropout=0.0, scaling=module.scaling)
+    if query.shape[2] > 1:
+        # Prefill: one backend call forms every softmax map once and applies it to the 2d-wide value pair. Fused
+        # kernels want equal query/key/value widths, so queries and keys get d zero channels: the scores, hence the
+        # maps, are unchanged (the scaling stays 1/sqrt(d)).
+        padded_query, padded_key, value_pairs = _pad_to_pairs(query, key, value)
+        attn_output, attn_weights = call(query=padded_query, key=padded_key, value=value_pairs, **kwargs)
+    else:
+        # Decoding one token: padding the whole cached keys every step costs more than forming the scores twice.
+        first_values, second_values = value.chunk(2, dim=1)
+        first_output, attn_weights = call(query=query, key=key, value=torch.cat([first_values] * 2, dim=1), **kwargs)
+        second_output, _ = call(query=query, key=key, value=torch.cat([second_values] * 2, dim=1), **kwargs)
+        attn_output = torch.cat([first_output, second_output], dim=-1)
+    map1_output, map2_output = attn_output.chunk(2, dim=2)  # (batch, q, H, 2d): maps i and i + H/2
+    differential = torch.addcmul(map1_output.to(lambda_full.dtype), map2_output.to(lambda_full.dtype), lambda_full,
+                                 value=-1)
+    return differential, attn_weights
+
+
+def decode_differential_attention(module, query, key, value, attention_mask, lambda_full, **kwargs):
+    return differential_decode_attention(query, key, value, attention_mask, module.scaling, lambda_full), None
+
+
+def paired_sdpa_cpu_differential_attention(module, query, key, value, attention_mask, lambda_full, **kwargs):
+    attn_output = CausalPairedAttentionCPU.apply(query, key, value, module.scaling).transpose(1, 2)
+    map1_output, map2_output = attn_output.chunk(2, dim=2)
+    differential = torch.addcmul(map1_output.to(lambda_full.dtype), map2_output.to(lambda_full.dtype), lambda_full,
+                                 value=-1)
+    return differential, None
+
+
+# Query rows per block of the blocked kernel. On the benchmark CPU (fp32, 8 heads of 64, 2 threads, lightly loaded)
+# 64 rows beat 32, 128 and 256 at 512 and 2048 tokens; under heavy load larger blocks lose less
+# (bench/results/attention_core*.md).
+BLOCKED_KERNEL_ROWS = 64
+
+
+def blocked_differential_attention(module, query, key, value, attention_mask, lambda_full, **kwargs):
+    query_len, key_len = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        # SDPA's convention (is_causal): query t sees keys 0..t (a static cache's unused slots come after), and one
+        # query token sees every key.
+        offset, skip_future = (0 if query_len > 1 else key_len - 1), True
+    else:
+        offset = key_len - query_len
+        skip_future = _future_is_masked(attention_mask, query_len, key_len)
+    output = BlockedDifferentialAttention.apply(
+        query, key, value, lambda_full, attention_mask, module.scaling, BLOCKED_KERNEL_ROWS, offset, skip_future
+    )
+    return output.to(lambda_full.dtype), None
+
+
+def _is_causal_cpu_training(module, query, key, attention_mask) -> bool:
+    """CPU, plain causal self-attention (no padding mask, no cached prefix), the private ops present, not compiling."""
+    return (
+        attention_mask is None
+        and key.shape[2] == query.shape[2]
+        and query.device.type == "cpu"
+        and _has_cpu_flash_attention()
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _blocked_supports(module, query, key, attention_mask) -> bool:
+    # Transformers' masks have one head; torch.compile keeps the generic path (it traces the backend call instead).
+    return (attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)) and (
+        not torch.compiler.is_compiling()
+    )
+
+
+class DifferentialAttentionInterface(GeneralInterface):
+    """Name -> differential kernel, in the manner of transformers' `AttentionInterface`: `register(name, kernel)` adds
+    one library-wide (a `DifferentialKernel`, or a plain function taking the arguments of
+    `generic_differential_attention`), and every name can be chosen with `model.set_differential_kernel(name)` or
+    `config.differential_kernel`."""
+
+    _global_mapping = {
+        "generic": DifferentialKernel(
+            generic_differential_attention,
+            description="the configured attention backend on the padded one-call layout (prefill) or two calls "
+            "(decode); any backend and device; returns the maps with eager",
+        ),
+        "blocked": DifferentialKernel(
+            blocked_differential_attention,
+            _blocked_supports,
+            "exact, by blocks of query rows: A1 − λ·A2 formed before it meets the 2d-wide value; causal blocks "
+            "skipped; backward recomputes from row statistics",
+        ),
+        "decode": DifferentialKernel(
+            decode_differential_attention,
+            lambda module, query, key, attention_mask: query.shape[2] == 1,
+            "one query token: two matmuls around one softmax, keys and values read once",
+        ),
+        "paired_sdpa_cpu": DifferentialKernel(
+            paired_sdpa_cpu_differential_attention,
+            _is_causal_cpu_training,
+            "CPU SDPA flash kernel on the padded layout, saving only d-wide tensors for backward (private aten op, "
+            "guarded)",
+        ),
+    }
+
+    def get_kernel(self, name: str) -> DifferentialKernel:
+        if name not in self:
+            raise ValueError(
+                f"Unknown differential kernel {name!r}; choose one of {self.valid_keys()} or None (automatic), or "
+                f"register it with `DifferentialAttentionInterface.register`."
+            )
+        kernel = self[name]
+        return kernel if isinstance(kernel, DifferentialKernel) else DifferentialKernel(kernel)
+
+
+ALL_DIFFERENTIAL_KERNELS = DifferentialAttentionInterface()
+
+
+# The automatic choice: (attention backend, device type, step, dtypes) -> kernel, first match wins, "*" matches
+# anything; steps: "prefill" (no autograd), "train" (autograd on), "decode" (one query token); dtypes: the query's
+# dtype. Each entry says why it wins. A kernel that does not support a call (see `supports`) passes it to the next
+# matching entry; "generic" ends the list.
+_FULL_PRECISION = (torch.float32, torch.float64)
+DIFFERENTIAL_KERNEL_DISPATCH = [
+    ("sdpa", "*", "decode", "*", "decode",
+     "CPU, fp32, one token after 128, quiet: 0.98x / 0.96x / 0.97x Llama's tokens/s (batch 1, batch 8, static cache) "
+     "(bench/results/model-kernels.md); under load the generic path's two calls gave 0.74-0.91x against this "
+     "kernel's 0.91-0.96x (bench/results/model-kernels-loaded.md); aten ops per step 1006 against Llama's 893 "
+     "(bench/results/decode_ops.md). Plain bmm and softmax, so it runs on CUDA too; unmeasured there."),
+    ("sdpa", "cpu", "prefill", _FULL_PRECISION, "blocked",
+     "CPU, fp32, quiet machine, one run (bench/results/model-kernels.md): whole-model prefill 1.04x / 1.16x / 1.11x "
+     "Llama at 512 / 2048 / 8192 tokens against 1.16x / 1.27x / 1.26x for the padded call; attention layer at 2048 "
+     "1.17x against 1.47x. Under heavy load (load 6-9 on 2 cores) it lost at 512 and 2048: each of its ~6 ops per "
+     "block waits for descheduled threads (bench/results/model-kernels-loaded.md, kernel_profile-loaded-2048.md)."),
+    ("sdpa", "cpu", "train", _FULL_PRECISION, "blocked",
+     "CPU, fp32, train step b4x256, quiet: 1.06x Llama's time and 1.04x its peak memory, against 1.17x / 1.05x "
+     "(paired_sdpa_cpu) (bench/results/model-kernels.md); under load: memory 1.02x against 1.07x (paired) and 1.14x "
+     "(generic) (bench/results/model-kernels-loaded.md)."),
+    ("sdpa", "cpu", "train", "*", "paired_sdpa_cpu",
+     "CPU, bf16: the blocked core is 4-5x Llama's SDPA (which runs on the bf16 units), the padded call 1.3-1.4x "
+     "(bench/results/attention_core-bfloat16.md); this one saves only d-wide tensors (memory 1.07x, "
+     "bench/results/model-kernels-loaded-bfloat16.md)."),
+    ("*", "*", "*", "*", "generic",
+     "The default: exact on every backend and device. CPU bf16 prefill stays here: Llama's SDPA runs on the bf16 "
+     "units and the padded call stays within 1.3-1.4x of it, where the blocked core is 4-5x "
+     "(bench/results/attention_core-bfloat16.md). CUDA (SDPA, flash-attention 2) is unmeasured, so it keeps the "
+     "one-call path."),
+]
+
+
+def _step(query) -> str:
+    if query.shape[2] == 1:
+        return "decode"
+    return "train" if torch.is_grad_enabled() and query.requires_grad else "prefill"
+
+
+def select_differential_kernel(module, query, key, attention_mask) -> DifferentialKernel:
+    """The kernel for this call: `config.differential_kernel` when set and it supports the call, else the first
+    matching entry of `DIFFERENTIAL_KERNEL_DISPATCH` that supports it."""
+    chosen = getattr(module.config, "differential_kernel", None)
+    if chosen is not None:
+        kernel = ALL_DIFFERENTIAL_KERNELS.get_kernel(chosen)
+        if kernel.supports(module, query, key, attention_mask):
+            return kernel
+    backend, device, step = module.config._attn_implementation, query.device.type, _step(query)
+    for rule_backend, rule_device, rule_step, rule_dtypes, name, _why in DIFFERENTIAL_KERNEL_DISPATCH:
+        if (
+            rule_backend in ("*", backend)
+            and rule_device in ("*", device)
+            and rule_step in ("*", step)
+            and (rule_dtypes == "*" or query.dtype in rule_dtypes)
+        ):
+            kernel = ALL_DIFFERENTIAL_KERNELS.get_kernel(name)
+            if kernel.supports(module, query, key, attention_mask):
+                return kernel
+    return ALL_DIFFERENTIAL_KERNELS.get_kernel("generic")
 
 
 class DiffLlamaAttention(nn.Module):
@@ -287,7 +679,7 @@ class DiffLlamaAttention(nn.Module):
         # The paper's per-head normalisation over the 2d-wide output; it has no affine weight. Its epsilon is
         # rms_norm_eps unless the config sets head_norm_eps (converted LLaMAs do: see the converter).
         eps = config.head_norm_epsilon(layer_idx)
-        self.head_norm = nn.RMSNorm(2 * self.head_dim, eps=eps, elementwise_affine=False)
+        self.head_norm = DiffLlamaHeadNorm(2 * self.head_dim, eps=eps, elementwise_affine=False)
 
     def forward(
         self,
@@ -315,67 +707,36 @@ class DiffLlamaAttention(nn.Module):
 
         key_states = repeat_kv(key_states, self.kv_expansion)
         value_states = repeat_kv(value_states, self.kv_expansion)
-        # The subtraction cancels most of the signal, so it runs in float32 (or wider) whatever the model dtype.
-        lambda_full = self.differential_lambda()
-        # Two SDPA cases have kernels of their own; every other case goes through the configured backend.
-        sdpa = self.config._attn_implementation == "sdpa"
-        if sdpa and query_states.shape[2] == 1:
-            differential = differential_decode_attention(
-                query_states, key_states, value_states, attention_mask, self.scaling, lambda_full
-            )
-            attn_weights = None
-        else:
-            if sdpa and self._is_causal_cpu_training(query_states, key_states, attention_mask):
-                # Same kernel and layout as the generic prefill; backward keeps the d-wide tensors, not padded ones.
-                attn_output = CausalPairedAttentionCPU.apply(query_states, key_states, value_states, self.scaling)
-                attn_output, attn_weights = attn_output.transpose(1, 2), None
-            else:
-                attn_output, attn_weights = self._maps_times_value_pairs(
-                    query_states, key_states, value_states, attention_mask, **kwargs
-                )
-            map1_output, map2_output = attn_output.chunk(2, dim=2)
-            differential = map1_output.to(lambda_full.dtype) - lambda_full * map2_output.to(lambda_full.dtype)
-        attn_output = (1 - self.differential_lambda.lambda_init) * self.head_norm(differential)
+
+        # λ in float32 (or wider): the subtraction cancels most of the signal, whatever the model dtype.
+        lambda_full = self._lambda(past_key_values)
+        kernel = select_differential_kernel(self, query_states, key_states, attention_mask)
+        attn_output, attn_weights = kernel(
+            self, query_states, key_states, value_states, attention_mask, lambda_full, **kwargs
+        )
+
+        attn_output = self.head_norm(attn_output)
+        # x·(1 − λ_init) as x + (−λ_init)·x: one aten op, where multiplying by a Python number takes five.
+        attn_output = torch.add(attn_output, attn_output, alpha=-self.differential_lambda.lambda_init)
         attn_output = attn_output.to(hidden_states.dtype).reshape(*input_shape, -1)
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
 
-    @staticmethod
-    def _is_causal_cpu_training(query_states, key_states, attention_mask) -> bool:
-        """Whether CausalPairedAttentionCPU applies: CPU, autograd on, plain causal self-attention (no padding mask,
-        no cached prefix), not under torch.compile."""
-        return (
-            attention_mask is None
-            and key_states.shape[2] == query_states.shape[2]
-            and query_states.device.type == "cpu"
-            and torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()
-        )
-
-    def _maps_times_value_pairs(self, query_states, key_states, value_states, attention_mask, **kwargs):
-        """Every softmax map applied to the 2d-wide value pair of its differential head, through the configured
-        attention backend: (batch, seq, H, 2d), and the maps when the backend returns them."""
-        # Query head h (either map of differential head i = h mod H/2) must read v_kv(i) and v_kv(i + H/2), side by
-        # side: the first and second half of the key/value heads, each repeated for both halves of the queries.
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        call = partial(attention_interface, self, attention_mask=attention_mask, dropout=0.0, scaling=self.scaling)
-        if query_states.shape[2] > 1:
-            # Prefill: one backend call forms every softmax map once and applies it to the 2d-wide value pair. Fused
-            # kernels want equal query/key/value widths, so queries and keys get d zero channels: the scores, hence
-            # the maps, are unchanged (the scaling stays 1/sqrt(d)). On CPU at 2048 tokens this is 1.7x one Llama
-            # attention call, where two d-wide calls cost 2x and a 2d-wide value alone falls off the fused kernel (7x).
-            query, key, value = _pad_to_pairs(query_states, key_states, value_states)
-            return call(query=query, key=key, value=value, **kwargs)
-        # Decoding one token: padding the whole cached keys every step costs more than forming the scores twice.
-        first_values, second_values = value_states.chunk(2, dim=1)
-        first_values = torch.cat([first_values, first_values], dim=1)
-        second_values = torch.cat([second_values, second_values], dim=1)
-        first_output, attn_weights = call(query=query_states, key=key_states, value=first_values, **kwargs)
-        second_output, _ = call(query=query_states, key=key_states, value=second_values, **kwargs)
-        return torch.cat([first_output, second_output], dim=-1), attn_weights
-
+    def _lambda(self, past_key_values: Cache | None) -> torch.Tensor:
+        """This layer's λ. Decoding without autograd reuses the λ computed earlier with the same cache (one
+        generation), as long as no λ vector was modified in place (their version counters) or replaced (their data
+        pointers); anything else computes it afresh (16 aten ops)."""
+        if past_key_values is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return self.differential_lambda()
+        vectors = [getattr(self.differential_lambda, name) for name in LAMBDA_VECTOR_NAMES]
+        key = tuple((vector._version, vector.data_ptr(), vector.dtype, vector.device) for vector in vectors)
+        cached = getattr(past_key_values, "_differential_lambdas", None)
+        if cached is None:
+            cached = past_key_values._differential_lambdas = {}
+        entry = cached.get(self.layer_idx)
+        if entry is None or entry[0] != key:
+            entry = cached[self.layer_idx] = (key, self.differential_lambda())
+        return entry[1]
 
     @staticmethod
     def pair_maps(maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -704,6 +1065,18 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
             for name in LAMBDA_VECTOR_NAMES:
                 init.normal_(getattr(module, name), 0.0, self.config.lambda_std_dev)
 
+    def set_differential_kernel(self, kernel: str | None):
+        """Choose the differential attention kernel (version 1) by name, from `ALL_DIFFERENTIAL_KERNELS`: "generic",
+        "blocked", "decode", "paired_sdpa_cpu" or one registered with `DifferentialAttentionInterface.register`.
+        It serves every call it supports; the others keep the automatic choice (`DIFFERENTIAL_KERNEL_DISPATCH`),
+        which `None` restores. Sets `config.differential_kernel`, so a saved model keeps the choice."""
+        if kernel is not None and kernel not in ALL_DIFFERENTIAL_KERNELS:
+            raise ValueError(
+                f"Unknown differential kernel {kernel!r}; choose one of {ALL_DIFFERENTIAL_KERNELS.valid_keys()} or None "
+                f"(automatic)."
+            )
+        self.config.differential_kernel = kernel
+
     def get_lambdas(self) -> torch.Tensor:
         """The current λ of every layer, float32, shape (num_hidden_layers,). Version 1 only: DIFF V2's λ depends on
         the token (see `differential_lambdas`)."""
@@ -941,4 +1314,8 @@ __all__ = [
     "DiffLlamaForQuestionAnswering",
     "differential_attention_maps",
     "tensor_parallel_layout",
+    "DifferentialAttentionInterface",
+    "DifferentialKernel",
+    "ALL_DIFFERENTIAL_KERNELS",
+    "DIFFERENTIAL_KERNEL_DISPATCH",
 ]

@@ -1,0 +1,339 @@
+"""The differential kernels and their dispatch: every kernel against the float64 reference, forward and gradients.
+
+The kernel-level checks compare with a per-head float64 implementation written from SPEC.md with the reference's
+softmax (`reference.softmax_maps`), differentiable in q, k, v and λ; the model-level checks compare logits with
+`reference.reference_forward` and gradients with the eager generic path.
+"""
+
+import math
+from unittest import mock
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import diff_llama.modeling_diff_llama as modeling
+from conftest import tiny_model
+from diff_llama.modeling_diff_llama import (
+    ALL_DIFFERENTIAL_KERNELS,
+    BlockedDifferentialAttention,
+    DifferentialAttentionInterface,
+    DifferentialKernel,
+    select_differential_kernel,
+)
+from reference import checkpoint_state_dict, reference_forward, softmax_maps
+from test_reference import LAYOUTS, random_batch, randomise_lambdas
+
+
+def per_head_differential(query, key, value, lam, allowed):
+    """SPEC's version-1 heads before the norm, head by head: (A1 − λ·A2)·[v_kv(i), v_kv(i + H/2)], as
+    (batch, q, H/2, 2d). `allowed`: (batch, q, k) bool."""
+    batch, heads, _, d = query.shape
+    n_rep = heads // key.shape[1]
+    out = []
+    for b in range(batch):
+        rows = []
+        for i in range(heads // 2):
+            j = i + heads // 2
+            a1 = softmax_maps(query[b, i], key[b, i // n_rep], allowed[b], d)
+            a2 = softmax_maps(query[b, j], key[b, j // n_rep], allowed[b], d)
+            rows.append((a1 - lam * a2) @ torch.cat([value[b, i // n_rep], value[b, j // n_rep]], -1))
+        out.append(torch.stack(rows, dim=1))
+    return torch.stack(out)
+
+
+def kernel_inputs(heads, kv_heads, query_len, key_len, seed=0, dtype=torch.float64):
+    """q, k, v as `DiffLlamaAttention` hands them to a kernel: key/value heads already expanded so that each half of
+    the query heads reads whole groups (G' even)."""
+    generator = torch.Generator().manual_seed(seed)
+    group = math.gcd(heads // kv_heads, heads // 2)
+    expansion = heads // kv_heads // group
+    query = torch.randn(2, heads, query_len, 8, generator=generator, dtype=dtype)
+    key = torch.randn(2, kv_heads, key_len, 8, generator=generator, dtype=dtype).repeat_interleave(expansion, 1)
+    value = torch.randn(2, kv_heads, key_len, 8, generator=generator, dtype=dtype).repeat_interleave(expansion, 1)
+    lam = torch.tensor(0.37, dtype=dtype)
+    return [t.requires_grad_() for t in (query, key, value, lam)]
+
+
+def padding_allowed(query_len, key_len, padded=3):
+    """Bottom-right causal with left padding of row 1 (a cached prefix when key_len > query_len); padded query rows
+    are left out of comparisons."""
+    causal = torch.ones(query_len, key_len, dtype=torch.bool).tril(key_len - query_len)
+    keep = torch.ones(2, key_len, dtype=torch.bool)
+    keep[1, :padded] = False
+    return causal[None] & keep[:, None, :]
+
+
+def real_rows(query_len, key_len, padded=3):
+    rows = torch.ones(2, query_len, dtype=torch.bool)
+    rows[1, : max(0, padded - (key_len - query_len))] = False
+    return rows
+
+
+@pytest.mark.parametrize("heads,kv_heads", LAYOUTS)
+@pytest.mark.parametrize("mask_kind", ["causal", "bool", "additive"])
+@pytest.mark.parametrize("query_len,key_len,block", [(13, 13, 4), (7, 12, 3), (21, 21, 64), (1, 9, 64)])
+def test_blocked_kernel_matches_reference_forward_and_gradients(heads, kv_heads, mask_kind, query_len, key_len, block):
+    """Odd G, G = 1, even G, G = H; several blocks with a partial last one, a cached prefix, one query token; causal
+    (no mask), boolean and additive padding masks. Gradients of q, k, v and λ."""
+    query, key, value, lam = kernel_inputs(heads, kv_heads, query_len, key_len)
+    module = mock.Mock(scaling=8**-0.5)
+    if mask_kind == "causal":
+        if query_len > 1 and key_len != query_len:
+            pytest.skip("a missing mask means SDPA's top-left causal alignment, tested with the static cache")
+        allowed = torch.ones(query_len, key_len, dtype=torch.bool).tril(key_len - query_len)[None].expand(2, -1, -1)
+        mask, rows = None, torch.ones(2, query_len, dtype=torch.bool)
+    else:
+        allowed, rows = padding_allowed(query_len, key_len), real_rows(query_len, key_len)
+        mask = allowed[:, None]
+        if mask_kind == "additive":
+            mask = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, torch.finfo(torch.float64).min)
+    with mock.patch.object(modeling, "BLOCKED_KERNEL_ROWS", block):
+        output, weights = ALL_DIFFERENTIAL_KERNELS["blocked"](module, query, key, value, mask, lam)
+    # Fully masked (padded) query rows have no defined output; the reference lets them see every key (no NaN).
+    expected = per_head_differential(query, key, value, lam, allowed | ~rows[:, :, None])
+    assert weights is None and output.shape == (2, query_len, heads // 2, 16)
+    torch.testing.assert_close(output[rows], expected[rows], rtol=0, atol=1e-12)
+    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    weights = weights * rows[:, :, None, None]
+    got = torch.autograd.grad((output * weights).sum(), (query, key, value, lam))
+    want = torch.autograd.grad((expected * weights).sum(), (query, key, value, lam))
+    for name, a, b in zip("qkvλ", got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=name)
+
+
+def test_blocked_kernel_skips_future_columns_only_when_the_mask_hides_them():
+    """A mask that lets a query see a later key must keep those columns (no causal shortcut on custom masks)."""
+    query, key, value, lam = kernel_inputs(4, 2, 8, 8)
+    allowed = torch.ones(8, 8, dtype=torch.bool).tril()[None].repeat(2, 1, 1)
+    allowed[:, 0, 7] = True  # query 0 also sees the last key
+    module = mock.Mock(scaling=8**-0.5)
+    with mock.patch.object(modeling, "BLOCKED_KERNEL_ROWS", 2), torch.no_grad():
+        output, _ = ALL_DIFFERENTIAL_KERNELS["blocked"](module, query, key, value, allowed[:, None], lam)
+        expected = per_head_differential(query, key, value, lam, allowed)
+    torch.testing.assert_close(output, expected, rtol=0, atol=1e-12)
+
+
+def test_blocked_backward_saves_nothing_quadratic():
+    """Memory linear in the sequence length: what the blocked kernel keeps for backward is q, k, v, λ and two
+    statistics per row and map; no (q, k) map."""
+    length, heads = 256, 4
+    query, key, value, lam = kernel_inputs(heads, 2, length, length, dtype=torch.float32)
+    output = BlockedDifferentialAttention.apply(query, key, value, lam, None, 8**-0.5, 64, 0, True)
+    sizes = [t.numel() for t in output.grad_fn.saved_tensors]
+    assert len(sizes) == 6 and max(sizes) == query.numel()
+    assert sum(sizes) <= 3 * query.numel() + 1 + 2 * heads * length  # nothing of size heads x length x length
+    assert 2 * heads * length * length > 10 * sum(sizes)  # batch 2: one map would be 14x all of it
+
+
+@pytest.mark.parametrize("kernel", ["generic", "blocked", "decode", "paired_sdpa_cpu"])
+@pytest.mark.parametrize("heads,kv_heads", [(6, 3), (8, 1), (8, 4), (2, 1)])
+def test_every_kernel_matches_the_reference_in_the_model(kernel, heads, kv_heads):
+    """Prefill with left padding, then token-by-token decoding with a cache, each kernel forced where it applies."""
+    model = tiny_model(torch.float64, num_attention_heads=heads, num_key_value_heads=kv_heads)
+    randomise_lambdas(model)
+    model.set_differential_kernel(kernel)
+    input_ids, attention_mask = random_batch()
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    cache, prefix = DynamicCache(config=model.config), 5
+    with torch.no_grad():
+        logits = [model(input_ids[:, :prefix], attention_mask=attention_mask[:, :prefix],
+                        position_ids=positions[:, :prefix], past_key_values=cache, use_cache=True).logits]
+        for t in range(prefix, input_ids.shape[1]):
+            logits.append(model(input_ids[:, t : t + 1], attention_mask=attention_mask[:, : t + 1],
+                                position_ids=positions[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+        # And an unpadded causal prefill, the case the CPU training kernel takes.
+        plain = model(input_ids).logits
+    expected = reference_forward(model.config, checkpoint_state_dict(model), input_ids, attention_mask)
+    real = attention_mask.bool()
+    torch.testing.assert_close(torch.cat(logits, dim=1)[real], expected[real], rtol=0, atol=1e-12)
+    torch.testing.assert_close(plain, reference_forward(model.config, checkpoint_state_dict(model), input_ids),
+                               rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_blocked_generation_equals_generic_generation(cache):
+    """Static caches hand SDPA no mask at prefill with more key slots than queries (top-left causal)."""
+    model = tiny_model(torch.float64, num_attention_heads=6, num_key_value_heads=3)
+    randomise_lambdas(model)
+    prompt = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for kernel in ("generic", "blocked"):
+        model.set_differential_kernel(kernel)
+        out = model.generate(prompt, max_new_tokens=6, do_sample=False, cache_implementation=cache,
+                             output_logits=True, return_dict_in_generate=True)
+        logits[kernel] = torch.stack(out.logits)
+    torch.testing.assert_close(logits["blocked"], logits["generic"], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(6, 3), (8, 1)])
+def test_blocked_training_with_padding_gives_eager_gradients(heads, kv_heads):
+    """Loss and every gradient (λ vectors included) through the blocked kernel with a padding mask, against eager."""
+    input_ids, attention_mask = random_batch(length=14)
+    # No loss on the outputs of padded query rows (the next token's label): a fully masked row has no defined output,
+    # and transformers' backends differ there (eager averages every value, SDPA does not).
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, 1:].masked_fill_(attention_mask[:, :-1] == 0, -100)
+    grads = {}
+    for attn, kernel in (("sdpa", "blocked"), ("eager", "generic")):
+        model = tiny_model(torch.float64, num_attention_heads=heads, num_key_value_heads=kv_heads).train()
+        randomise_lambdas(model)
+        model.set_attn_implementation(attn)
+        model.set_differential_kernel(kernel)
+        with mock.patch.object(modeling, "BLOCKED_KERNEL_ROWS", 4):
+            loss = model(input_ids, attention_mask=attention_mask, labels=labels).loss
+            loss.backward()
+        grads[attn] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(grads["sdpa"][0], grads["eager"][0], rtol=0, atol=1e-12)
+    for name, grad in grads["eager"][1].items():
+        assert grad is not None, name
+        torch.testing.assert_close(grads["sdpa"][1][name], grad, rtol=1e-9, atol=1e-11, msg=name)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 0.15)])
+def test_blocked_kernel_in_low_precision_stays_near_the_reference(dtype, atol):
+    """fp32 and bf16 models through the blocked kernel: logits near the float64 reference, and no further from it
+    than the generic path (bf16 rounds the weights, so both carry that error)."""
+    model = tiny_model(torch.float32, num_attention_heads=6, num_key_value_heads=3, num_hidden_layers=2)
+    randomise_lambdas(model)
+    input_ids, attention_mask = random_batch(length=40)
+    model = model.to(dtype)
+    expected = reference_forward(model.config, checkpoint_state_dict(model), input_ids, attention_mask)
+    real = attention_mask.bool()
+    errors = {}
+    for kernel in ("blocked", "generic"):
+        model.set_differential_kernel(kernel)
+        with torch.no_grad(), mock.patch.object(modeling, "BLOCKED_KERNEL_ROWS", 16):
+            logits = model(input_ids, attention_mask=attention_mask).logits
+        errors[kernel] = (logits[real].double() - expected[real]).abs().max().item()
+    assert errors["blocked"] <= atol
+    assert errors["blocked"] <= 1.5 * errors["generic"] + 1e-6
+
+
+def test_bf16_blocked_gradients_near_fp32():
+    query, key, value, lam = kernel_inputs(8, 4, 70, 70, dtype=torch.float32)
+    module = mock.Mock(scaling=8**-0.5)
+    weights = torch.randn(2, 70, 4, 16, generator=torch.Generator().manual_seed(2))
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        inputs = [t.detach().to(dtype).requires_grad_() for t in (query, key, value)] + [lam.detach().requires_grad_()]
+        output, _ = ALL_DIFFERENTIAL_KERNELS["blocked"](module, *inputs[:3], None, inputs[3])
+        assert output.dtype == torch.float32  # the differential heads leave in λ's dtype
+        (output * weights).sum().backward()
+        results[dtype] = [output.detach()] + [t.grad.float() for t in inputs]
+    for name, low, high in zip(["output", "q", "k", "v", "λ"], results[torch.bfloat16], results[torch.float32]):
+        scale = high.abs().max().item()
+        assert (low - high).abs().max().item() <= 0.03 * scale, name
+
+
+def test_dispatch_picks_by_backend_device_and_step():
+    model = tiny_model(num_attention_heads=6, num_key_value_heads=3)
+    attention = model.model.layers[0].self_attn
+    query = torch.randn(1, 6, 5, 8)
+    key = torch.randn(1, 6, 5, 8)
+    picked = {}
+    for backend in ("sdpa", "eager"):
+        model.set_attn_implementation(backend)
+        with torch.no_grad():
+            picked[backend, "prefill"] = select_differential_kernel(attention, query, key, None)
+            picked[backend, "decode"] = select_differential_kernel(attention, query[:, :, :1], key, None)
+        picked[backend, "train"] = select_differential_kernel(attention, query.requires_grad_(), key, None)
+        query = query.detach()
+    kernels = ALL_DIFFERENTIAL_KERNELS
+    # The measured CPU choices (see DIFFERENTIAL_KERNEL_DISPATCH and bench/results/model-kernels*.md).
+    assert picked["sdpa", "prefill"].function is kernels["blocked"].function
+    assert picked["sdpa", "train"].function is kernels["blocked"].function
+    assert picked["sdpa", "decode"].function is kernels["decode"].function
+    for step in ("prefill", "decode", "train"):  # eager keeps the generic path: it returns the maps
+        assert picked["eager", step].function is kernels["generic"].function
+    # A chosen kernel serves the calls it supports; the others keep the automatic choice.
+    model.set_attn_implementation("sdpa")
+    # bf16 training on CPU: the paired SDPA kernel (the blocked one is slow there).
+    bf16_query = query.to(torch.bfloat16).requires_grad_()
+    assert select_differential_kernel(attention, bf16_query, key, None).function is kernels["paired_sdpa_cpu"].function
+    with torch.no_grad():  # bf16 prefill on CPU: the padded one-call path
+        assert select_differential_kernel(attention, query.to(torch.bfloat16), key, None).function is (
+            kernels["generic"].function)
+    model.set_differential_kernel("decode")
+    with torch.no_grad():
+        assert select_differential_kernel(attention, query[:, :, :1], key, None).function is kernels["decode"].function
+        assert select_differential_kernel(attention, query, key, None).function is not kernels["decode"].function
+    with pytest.raises(ValueError, match="Unknown differential kernel"):
+        model.set_differential_kernel("fastest")
+
+
+def test_private_cpu_flash_op_missing_falls_back_to_generic():
+    """paired_sdpa_cpu uses a private aten op: without it (another torch version) the dispatch takes the generic
+    path, and training still gives the same loss."""
+    model = tiny_model(torch.float64, num_attention_heads=6, num_key_value_heads=3).train()
+    model.set_differential_kernel("paired_sdpa_cpu")
+    input_ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    attention = model.model.layers[0].self_attn
+    query, key = torch.randn(1, 6, 5, 8, requires_grad=True), torch.randn(1, 6, 5, 8)
+    assert select_differential_kernel(attention, query, key, None).function is (
+        ALL_DIFFERENTIAL_KERNELS["paired_sdpa_cpu"].function)
+    with_op = model(input_ids, labels=input_ids).loss
+    with mock.patch.object(modeling, "_has_cpu_flash_attention", lambda: False), \
+            mock.patch.object(modeling.CausalPairedAttentionCPU, "apply", side_effect=AssertionError("private op")):
+        assert select_differential_kernel(attention, query, key, None).function is not (
+            ALL_DIFFERENTIAL_KERNELS["paired_sdpa_cpu"].function)
+        without_op = model(input_ids, labels=input_ids).loss
+    torch.testing.assert_close(without_op, with_op, rtol=0, atol=1e-12)
+
+
+def test_registered_kernel_is_selectable_and_used():
+    calls = []
+
+    def traced_generic(module, *args, **kwargs):
+        calls.append(args[0].shape)
+        return modeling.generic_differential_attention(module, *args, **kwargs)
+
+    DifferentialAttentionInterface.register("traced", DifferentialKernel(traced_generic))
+    try:
+        model = tiny_model(num_attention_heads=6, num_key_value_heads=3)
+        model.set_differential_kernel("traced")
+        assert model.config.differential_kernel == "traced"
+        with torch.no_grad():
+            model(torch.randint(3, 128, (1, 7)))
+        assert len(calls) == model.config.num_hidden_layers
+    finally:
+        DifferentialAttentionInterface._global_mapping.pop("traced")
+
+
+def test_decoding_reuses_lambda_only_while_the_vectors_are_unchanged():
+    """λ is computed once per generation (per cache) without autograd, and afresh after any in-place update or
+    replacement of a λ vector, and always with autograd on."""
+    model = tiny_model(torch.float64, num_attention_heads=6, num_key_value_heads=3)
+    randomise_lambdas(model)
+    layers = model.config.num_hidden_layers
+    with mock.patch.object(modeling.DiffLlamaLambda, "forward", autospec=True,
+                           side_effect=modeling.DiffLlamaLambda.forward) as spy:
+        model.generate(torch.randint(3, 128, (1, 5)), max_new_tokens=6, do_sample=False)
+    assert spy.call_count == layers  # not once per step
+    attention = model.model.layers[1].self_attn
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        first = attention._lambda(cache)
+        assert attention._lambda(cache) is first
+        attention.differential_lambda.lambda_q1.add_(0.5)  # what an optimizer step does
+        second = attention._lambda(cache)
+        assert second.item() != first.item() and second.item() == attention.differential_lambda().item()
+        attention.differential_lambda.lambda_k2.data = torch.randn(8, dtype=torch.float64)  # replaced
+        third = attention._lambda(cache)
+        assert third.item() != second.item() and third.item() == attention.differential_lambda().item()
+    assert attention._lambda(cache).requires_grad  # autograd on: never the cached value
+
+
+def test_head_norm_is_rms_norm():
+    norm = modeling.DiffLlamaHeadNorm(16, eps=0.3, elementwise_affine=False).double()
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    torch.testing.assert_close(norm(x), x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 0.3), rtol=0, atol=1e-14)
+    norm.eps = 1e-6  # the converter sets it after construction
+    torch.testing.assert_close(norm(x), x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), rtol=0, atol=1e-14)
+    # A zero output (a converted LLaMA's zero GQA group) must keep rms_norm's gradient, not 0/0 from the norm.
+    zero = torch.zeros(2, 16, dtype=torch.float64, requires_grad=True)
+    reference = zero.detach().clone().requires_grad_()
+    weights = torch.arange(16, dtype=torch.float64)
+    (norm(zero) * weights).sum().backward()
+    (torch.nn.functional.rms_norm(reference, (16,), eps=1e-6) * weights).sum().backward()
+    torch.testing.assert_close(zero.grad, reference.grad, rtol=1e-12, atol=0)
