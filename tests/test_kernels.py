@@ -22,7 +22,7 @@ from diff_llama.modeling_diff_llama import (
     select_differential_kernel,
 )
 from reference import checkpoint_state_dict, reference_forward, softmax_maps
-from test_reference import LAYOUTS, random_batch, randomise_lambdas
+from test_reference import LAYOUTS, prefill_then_decode, random_batch, randomise_lambdas
 
 
 def per_head_differential(query, key, value, lam, allowed):
@@ -134,19 +134,13 @@ def test_every_kernel_matches_the_reference_in_the_model(kernel, heads, kv_heads
     randomise_lambdas(model)
     model.set_differential_kernel(kernel)
     input_ids, attention_mask = random_batch()
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    cache, prefix = DynamicCache(config=model.config), 5
+    logits = prefill_then_decode(model, input_ids, attention_mask)
     with torch.no_grad():
-        logits = [model(input_ids[:, :prefix], attention_mask=attention_mask[:, :prefix],
-                        position_ids=positions[:, :prefix], past_key_values=cache, use_cache=True).logits]
-        for t in range(prefix, input_ids.shape[1]):
-            logits.append(model(input_ids[:, t : t + 1], attention_mask=attention_mask[:, : t + 1],
-                                position_ids=positions[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
         # And an unpadded causal prefill, the case the CPU training kernel takes.
         plain = model(input_ids).logits
     expected = reference_forward(model.config, checkpoint_state_dict(model), input_ids, attention_mask)
     real = attention_mask.bool()
-    torch.testing.assert_close(torch.cat(logits, dim=1)[real], expected[real], rtol=0, atol=1e-12)
+    torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=1e-12)
     torch.testing.assert_close(plain, reference_forward(model.config, checkpoint_state_dict(model), input_ids),
                                rtol=0, atol=1e-12)
 

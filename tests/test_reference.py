@@ -31,6 +31,19 @@ def randomise_lambdas(model, seed=3):
         if "lambda_" in name:
             param.data = torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.4
 
+def prefill_then_decode(model, input_ids, attention_mask, prefix=5):
+    """Logits (batch, length, vocab) of a padded prefill of `prefix` tokens, then one token at a time with a cache."""
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        logits = [model(input_ids[:, :prefix], attention_mask=attention_mask[:, :prefix],
+                        position_ids=positions[:, :prefix], past_key_values=cache, use_cache=True).logits]
+        for t in range(prefix, input_ids.shape[1]):
+            logits.append(model(input_ids[:, t : t + 1], attention_mask=attention_mask[:, : t + 1],
+                                position_ids=positions[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+    return torch.cat(logits, dim=1)
+
+
 
 @pytest.mark.parametrize("heads,kv_heads", LAYOUTS)
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -128,15 +141,8 @@ def test_decoding_steps_match_reference_with_left_padding(heads, kv_heads, attn)
     randomise_lambdas(model)
     model.set_attn_implementation(attn)
     input_ids, attention_mask = random_batch()
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    cache, prefix = DynamicCache(config=model.config), 5
-    with torch.no_grad():
-        logits = [model(input_ids[:, :prefix], attention_mask=attention_mask[:, :prefix],
-                        position_ids=positions[:, :prefix], past_key_values=cache, use_cache=True).logits]
-        for t in range(prefix, input_ids.shape[1]):
-            logits.append(model(input_ids[:, t : t + 1], attention_mask=attention_mask[:, : t + 1],
-                                position_ids=positions[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+    logits = prefill_then_decode(model, input_ids, attention_mask)
     expected = reference_forward(model.config, checkpoint_state_dict(model), input_ids, attention_mask)
     real = attention_mask.bool()
-    torch.testing.assert_close(torch.cat(logits, dim=1)[real], expected[real], rtol=0, atol=1e-12)
+    torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=1e-12)
 

@@ -25,6 +25,7 @@ answer and to noise, and held-out perplexity: the curve against CPU-minutes land
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import random
 import re
@@ -73,14 +74,19 @@ class AdaptationOptions:
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
+@functools.lru_cache(maxsize=1)
+def training_text() -> str:
+    """The training docstrings, held-out text excluded: the retrieval filler and the language-modelling blocks."""
+    from .corpus import HELD_OUT_MODULES, TRAINING_MODULES, stdlib_docstrings
+
+    return stdlib_docstrings(TRAINING_MODULES, exclude=stdlib_docstrings(HELD_OUT_MODULES))
+
+
 def training_sentences() -> list[str]:
     """Sentences of the training docstrings, without digits (they would compete with the needles' numbers): the
     retrieval examples' filler. The evaluation's filler is generated from a grammar and shares none of them."""
-    from .corpus import HELD_OUT_MODULES, TRAINING_MODULES, stdlib_docstrings
-
-    text = stdlib_docstrings(TRAINING_MODULES, exclude=stdlib_docstrings(HELD_OUT_MODULES))
     sentences = []
-    for paragraph in text.split("\n\n"):
+    for paragraph in training_text().split("\n\n"):
         for sentence in _SENTENCE_END.split(" ".join(paragraph.split())):
             if 20 <= len(sentence) <= 300 and not re.search(r"\d", sentence) and sentence[-1] in ".!?":
                 sentences.append(sentence)
@@ -119,11 +125,9 @@ class RetrievalExamples:
 
 def text_blocks(tokenizer, block: int, seed: int):
     """Endless shuffled blocks of `block` tokens of the training docstrings (held-out text excluded)."""
-    from .corpus import HELD_OUT_MODULES, TRAINING_MODULES, stdlib_docstrings
+    from .training import TokenBlocks
 
-    text = stdlib_docstrings(TRAINING_MODULES, exclude=stdlib_docstrings(HELD_OUT_MODULES))
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
-    blocks = ids[: len(ids) // block * block].view(-1, block)
+    blocks = TokenBlocks(tokenizer, training_text(), block_size=block).blocks
     rng = torch.Generator().manual_seed(seed)
     while True:
         for index in torch.randperm(len(blocks), generator=rng):

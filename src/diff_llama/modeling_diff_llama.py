@@ -333,6 +333,23 @@ def _mask_block(scores, attention_mask, masking, start, stop, columns, offset, g
     return scores
 
 
+def _query_rows(query: torch.Tensor, scaling: float, kv_heads: int) -> torch.Tensor:
+    """Scaled queries (batch, H, q, d) as rows of their key/value head, (batch, G, q·H/G, d), ordered (token, query
+    head of the group): a block of tokens is then a contiguous slice of rows."""
+    batch, num_heads, query_len, head_dim = query.shape
+    group = num_heads // kv_heads
+    rows = (query * scaling).view(batch, kv_heads, group, query_len, head_dim).transpose(2, 3)
+    return rows.reshape(batch, kv_heads, query_len * group, head_dim)
+
+
+def _block_scores(query_rows, key, attention_mask, masking, start, stop, offset, skip_future, group, dtype):
+    """Masked scores of query tokens start..stop against the key columns they may see: (scores, rows, columns)."""
+    rows = slice(start * group, stop * group)
+    columns = stop + offset if skip_future else key.shape[2]
+    scores = torch.matmul(query_rows[:, :, rows], key[:, :, :columns].transpose(2, 3)).to(dtype)
+    return _mask_block(scores, attention_mask, masking, start, stop, columns, offset, group), rows, columns
+
+
 class BlockedDifferentialAttention(torch.autograd.Function):
     """Exact differential attention by blocks of query rows: (batch, q_len, H/2, 2d), before the head norm.
 
@@ -350,12 +367,10 @@ class BlockedDifferentialAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, lambda_full, attention_mask, scaling, block_size, offset, skip_future):
         batch, num_heads, query_len, head_dim = query.shape
-        kv_heads, key_len = key.shape[1], key.shape[2]
+        kv_heads = key.shape[1]
         group, half = num_heads // kv_heads, kv_heads // 2
         softmax_dtype = torch.promote_types(query.dtype, torch.float32)
-        # Rows of a key/value head ordered (token, query head of its group): a block of tokens is a contiguous slice.
-        rows_query = (query * scaling).view(batch, kv_heads, group, query_len, head_dim).transpose(2, 3)
-        rows_query = rows_query.reshape(batch, kv_heads, query_len * group, head_dim)
+        rows_query = _query_rows(query, scaling, kv_heads)
         key = key.contiguous()  # sliced per block: a strided key would be copied by every matmul
         value_pairs = torch.cat((value[:, :half], value[:, half:]), dim=-1)  # (batch, G/2, kv_len, 2d)
         lam = lambda_full.to(softmax_dtype)
@@ -367,10 +382,8 @@ class BlockedDifferentialAttention(torch.autograd.Function):
         masking = _block_masking(attention_mask, block_size, query.device)
         for start in range(0, query_len, block_size):
             stop = min(start + block_size, query_len)
-            rows = slice(start * group, stop * group)
-            columns = stop + offset if skip_future else key_len
-            scores = torch.matmul(rows_query[:, :, rows], key[:, :, :columns].transpose(2, 3)).to(softmax_dtype)
-            scores = _mask_block(scores, attention_mask, masking, start, stop, columns, offset, group)
+            scores, rows, columns = _block_scores(rows_query, key, attention_mask, masking, start, stop, offset,
+                                                  skip_future, group, softmax_dtype)
             if save_statistics:
                 # Not a single log-sum-exp: for a fully masked (padded) row, min + log(n) rounds to min, and the
                 # recomputed map would not be eager's uniform one.
@@ -395,11 +408,10 @@ class BlockedDifferentialAttention(torch.autograd.Function):
         scaling, block_size, offset, skip_future = ctx.settings
         attention_mask = ctx.attention_mask
         batch, num_heads, query_len, head_dim = query.shape
-        kv_heads, key_len = key.shape[1], key.shape[2]
+        kv_heads = key.shape[1]
         group, half = num_heads // kv_heads, kv_heads // 2
         softmax_dtype = row_max.dtype
-        rows_query = (query * scaling).view(batch, kv_heads, group, query_len, head_dim).transpose(2, 3)
-        rows_query = rows_query.reshape(batch, kv_heads, query_len * group, head_dim)
+        rows_query = _query_rows(query, scaling, kv_heads)
         value_pairs = torch.cat((value[:, :half], value[:, half:]), dim=-1)
         lam = lambda_full.to(softmax_dtype)
         # (batch, q_len, H/2, 2d) -> (batch, G/2, rows, 2d), rows ordered as in forward.
@@ -412,10 +424,8 @@ class BlockedDifferentialAttention(torch.autograd.Function):
         masking = _block_masking(attention_mask, block_size, query.device)
         for start in range(0, query_len, block_size):
             stop = min(start + block_size, query_len)
-            rows = slice(start * group, stop * group)
-            columns = stop + offset if skip_future else key_len
-            scores = torch.matmul(rows_query[:, :, rows], key[:, :, :columns].transpose(2, 3)).to(softmax_dtype)
-            scores = _mask_block(scores, attention_mask, masking, start, stop, columns, offset, group)
+            scores, rows, columns = _block_scores(rows_query, key, attention_mask, masking, start, stop, offset,
+                                                  skip_future, group, softmax_dtype)
             maps = scores.sub_(row_max[:, :, rows]).exp_().div_(row_sum[:, :, rows])  # A1 (first G/2 heads), A2
             differential = torch.addcmul(maps[:, :half], maps[:, half:], lam, value=-1).to(value.dtype)
             grad_block = grad_output[:, :, rows]
