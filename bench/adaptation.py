@@ -38,9 +38,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", default="outputs/adapt", help="folder for the converted and trained models")
-    parser.add_argument("--steps", type=int, default=150, help="training steps per model")
-    parser.add_argument("--eval-every", type=int, default=50, help="steps between held-out probes")
-    parser.add_argument("--max-length", type=int, default=1536, help="longest training example, in tokens")
+    parser.add_argument("--steps", type=int, default=270, help="training steps per model")
+    parser.add_argument("--eval-every", type=int, default=90, help="steps between held-out probes")
+    parser.add_argument("--max-length", type=int, default=2048, help="longest training example, in tokens")
+    parser.add_argument("--max-cpu-minutes", default="60", help="training budget per model (CPU-minutes)")
+    parser.add_argument("--differential-learning-rates", nargs="+", default=["1e-3"],
+                        help="one V2 run per rate of its λ projection and second heads (all runs in parallel)")
     parser.add_argument("--lengths", nargs="+", default=["1024", "2048"], help="evaluation context lengths")
     parser.add_argument("--cases-per-depth", default="2", help="evaluation cases per (length, N x R, depth)")
     parser.add_argument("--skip-training", action="store_true", help="reuse the trained models in --work")
@@ -49,33 +52,35 @@ def main() -> None:
     work = Path(args.work)
     cli = [sys.executable, "-m", "diff_llama.cli"]
     converted = work / "smollm2-v2"
+    runs = [("smollm2", "llama", "SmolLM2-135M-Instruct", [])]
+    runs += [(str(converted), f"v2-{rate}", f"DiffLlama-V2 (differential lr {rate})",
+              ["--differential-learning-rate", rate]) for rate in args.differential_learning_rates]
     if not args.skip_training:
         if not (converted / "config.json").exists():
             subprocess.run([*cli, "convert", "smollm2", str(converted), "--diff-version", "2"], check=True)
         run_parallel(
             [[*cli, "adapt", source, str(work / folder), "--name", name, "--max-steps", str(args.steps),
-              "--eval-every", str(args.eval_every), "--max-length", str(args.max_length), "--threads", "1"]
-             for source, folder, name in (("smollm2", "llama", "SmolLM2-135M-Instruct"),
-                                          (str(converted), "v2", "DiffLlama-V2"))],
-            [work / "llama.log", work / "v2.log"],
+              "--eval-every", str(args.eval_every), "--max-length", str(args.max_length), "--threads", "1",
+              "--max-cpu-minutes", args.max_cpu_minutes, *extra]
+             for source, folder, name, extra in runs],
+            [work / f"{folder}.log" for _, folder, _, _ in runs],
         )
-    evaluations = (("smollm2", "SmolLM2-135M-Instruct (before training)", "eval-source"),
-                   (str(work / "llama"), "SmolLM2-135M-Instruct, adapted", "eval-llama"),
-                   (str(work / "v2"), "DiffLlama V2 (converted), adapted", "eval-v2"))
+    evaluations = [("smollm2", "SmolLM2-135M-Instruct (before training)", "eval-source")]
+    evaluations += [(str(work / folder), f"{name}, adapted", f"eval-{folder}") for _, folder, name, _ in runs]
     pending = [e for e in evaluations if not (work / e[2] / "retrieval.json").exists()]
-    for batch in (pending[:2], pending[2:]):  # two at a time: one thread each on a 2-core machine
-        if batch:
-            run_parallel([[*cli, "evaluate", model, "--names", name, "--output", str(work / folder),
-                           "--dtype", "bfloat16", "--threads", "1", "--lengths", *args.lengths,
-                           "--cases-per-depth", args.cases_per_depth] for model, name, folder in batch],
-                         [work / f"{folder}.log" for _, _, folder in batch])
+    for start in range(0, len(pending), 3):  # one thread each
+        batch = pending[start:start + 3]
+        run_parallel([[*cli, "evaluate", model, "--names", name, "--output", str(work / folder),
+                       "--dtype", "bfloat16", "--threads", "1", "--lengths", *args.lengths,
+                       "--cases-per-depth", args.cases_per_depth] for model, name, folder in batch],
+                     [work / f"{folder}.log" for _, _, folder in batch])
 
     from diff_llama.adaptation import plot_curves
     from diff_llama.retrieval import markdown_report, merge_reports, plot_report
 
     report = merge_reports([json.loads((work / folder / "retrieval.json").read_text())
                             for _, _, folder in evaluations])
-    histories = [json.loads((work / folder / "adapt.json").read_text()) for folder in ("llama", "v2")]
+    histories = [json.loads((work / folder / "adapt.json").read_text()) for _, folder, _, _ in runs]
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     curves = ["", "Training (`diff-llama adapt`, the same examples, steps and learning rates for both; CPU-minutes of "
@@ -83,12 +88,17 @@ def main() -> None:
               f"{', '.join(histories[0]['options']['eval_settings'])} at "
               f"{', '.join(map(str, histories[0]['options']['eval_lengths']))} tokens (seed 1), attention shares, "
               "held-out perplexity:", "",
-              "| model | step | CPU-minutes | probe accuracy | answer share ↑ | noise share ↓ | perplexity |",
-              "|---|---|---|---|---|---|---|"]
+              "| model | step | CPU-minutes | probe accuracy | answer share ↑ | noise share ↓ | perplexity | "
+              "pair divergence |",
+              "|---|---|---|---|---|---|---|---|"]
     for history in histories:
         for p in history["probes"]:
+            divergence = p.get("pair_divergence")
             curves.append(f"| {history['name']} | {p['step']} | {p['cpu_minutes']:.1f} | {p['accuracy']:.0%} | "
-                          f"{p['answer_share']:.3f} | {p['noise_share']:.3f} | {p['perplexity']:.2f} |")
+                          f"{p['answer_share']:.3f} | {p['noise_share']:.3f} | {p['perplexity']:.2f} | "
+                          f"{'–' if divergence is None else f'{divergence:.2%}'} |")
+    curves += ["", "Pair divergence: ‖second − first‖ / ‖first‖ over the query heads of each DIFF V2 pair, mean over "
+               "layers (0 right after the lossless conversion: the model is then its source)."]
     markdown = markdown_report(report) + "\n".join(curves) + "\n"
     output.with_suffix(".md").write_text(markdown)
     output.with_suffix(".json").write_text(json.dumps({"evaluation": report, "training": histories}, indent=1))

@@ -1,5 +1,5 @@
 """aten ops in one decoding step (one token, dynamic cache after a 128-token prompt), counted with torch.profiler:
-Llama, diff-llama (version 1, automatic kernels) and transformers' built-in DiffLlama, benchmark config (hidden 512,
+Llama, diff-llama (version 1, automatic kernels), diff-llama v2 and transformers' built-in DiffLlama, benchmark config (hidden 512,
 8 heads, 4 layers). Counts every aten event, nested ones included (what the dispatcher pays for), and the
 difference per layer by op name.
 
@@ -37,7 +37,7 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(2)
     counts = {name: step_ops(build(name, getattr(torch, args.dtype)), args.batch)
-              for name in ("llama", "diff-llama", "built-in")}
+              for name in ("llama", "diff-llama", "diff-llama v2", "built-in")}
     layers = SHAPE["num_hidden_layers"]
     lines = [f"aten events in one decoding step, batch {args.batch}, {args.dtype}, {layers} layers "
              f"(`python bench/decode_ops.py`):", "", "| model | aten ops per step | per layer more than Llama |",
@@ -46,11 +46,12 @@ def main():
     for name, counter in counts.items():
         total = sum(counter.values())
         lines.append(f"| {name} | {total} | {(total - total_llama) / layers:+.1f} |")
-    difference = counts["diff-llama"].copy()
-    difference.subtract(counts["llama"])
-    lines += ["", "diff-llama minus Llama, by op (whole step): " + ", ".join(
-        f"{name.removeprefix('aten::')} {count:+d}" for name, count in
-        sorted(difference.items(), key=lambda item: -abs(item[1])) if count)]
+    for model in ("diff-llama", "diff-llama v2"):
+        difference = counts[model].copy()
+        difference.subtract(counts["llama"])
+        lines += ["", f"{model} minus Llama, by op (whole step): " + ", ".join(
+            f"{name.removeprefix('aten::')} {count:+d}" for name, count in
+            sorted(difference.items(), key=lambda item: -abs(item[1])) if count)]
     print("\n".join(lines))
     if args.write:
         (Path(__file__).parent / "results" / "decode_ops.md").write_text("\n".join(lines) + "\n")

@@ -4,7 +4,9 @@ Same config (hidden 512, 8 heads, 4 layers, vocab 32000 unless told), dtype, thr
 - `llama`: the LLaMA; `diff-llama` (version 1) and `built-in` have its shapes (plus 4 λ vectors per layer);
 - `diff-llama v2`: DIFF V2 as `convert --diff-version 2` makes it from that LLaMA: 16 softmax maps over the same
   8 KV heads (the LLaMA's KV cache), o_proj from 8 heads, a λ projection;
-- `llama 2x heads`: a LLaMA with those 16 query heads over 8 KV heads, the bound the issue sets for V2's prefill.
+- `llama 2x heads`: a LLaMA with those 16 query heads over 8 KV heads, the bound the issue sets for V2's prefill;
+- `llama wide q`: the LLaMA, its q_proj reading V2's doubled weight and keeping half the output: what V2's extra
+  weight bytes alone cost a (memory-bound) decoding step, with nothing differential computed.
 Every figure is the median of interleaved repetitions (model A, B, C, A, B, C, ...):
 - one attention layer alone at 2048 tokens (projections, RoPE, attention, output projection; causal, no mask);
 - prefill time at 512 and 2048 tokens (batch 1, logits of the last token);
@@ -30,7 +32,7 @@ import torch
 
 RESULTS = Path(__file__).parent / "results"
 MODELS = ("llama", "diff-llama", "built-in", "diff-llama v2", "llama 2x heads", "diff-llama padded", "diff-llama blocked",
-          "diff-llama paired")
+          "diff-llama paired", "llama wide q")
 # Version 1 with one kernel forced where it applies (`model.set_differential_kernel`), to compare kernels in one run:
 # "padded" = "generic" (the configured backend on the padded one-call layout; two calls when decoding), "blocked"
 # (every step, decoding included), "paired" = "paired_sdpa_cpu" (CPU training only). "diff-llama" itself runs the
@@ -39,7 +41,7 @@ FORCED_KERNELS = {"diff-llama padded": "generic", "diff-llama blocked": "blocked
 # The ratios the table reports: (model, baseline).
 RATIOS = (("diff-llama", "llama"), ("diff-llama", "built-in"), ("diff-llama v2", "llama"),
           ("diff-llama v2", "llama 2x heads"), ("diff-llama padded", "llama"), ("diff-llama blocked", "llama"),
-          ("diff-llama paired", "llama"))
+          ("diff-llama paired", "llama"), ("diff-llama v2", "llama wide q"), ("llama wide q", "llama"))
 TWICE_THE_QUERY_HEADS = dict(num_attention_heads=16, num_key_value_heads=8, head_dim=64)
 SHAPE = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=8, max_position_embeddings=8192)
@@ -59,6 +61,12 @@ def build(name: str, dtype: torch.dtype):
         from diff_llama import DiffLlamaConfig, DiffLlamaForCausalLM
 
         model = DiffLlamaForCausalLM(DiffLlamaConfig(**SHAPE, differential_kernel=FORCED_KERNELS.get(name)))
+    elif name == "llama wide q":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(**SHAPE))
+        for layer in model.model.layers:
+            layer.self_attn.q_proj = WideQueryProjection(SHAPE["hidden_size"], 2 * SHAPE["hidden_size"], bias=False)
     elif name == "diff-llama v2":
         from diff_llama import DiffLlamaConfig, DiffLlamaForCausalLM
 
@@ -68,6 +76,13 @@ def build(name: str, dtype: torch.dtype):
 
         model = DiffLlamaForCausalLM(DiffLlamaConfig(**SHAPE))
     return model.to(dtype).eval()
+
+
+class WideQueryProjection(torch.nn.Linear):
+    """A q_proj that reads twice the weight and keeps the first half of its output: V2's extra bytes, nothing else."""
+
+    def forward(self, hidden_states):
+        return super().forward(hidden_states)[..., : self.out_features // 2]
 
 
 @torch.no_grad()

@@ -11,10 +11,12 @@ from conftest import tiny_model
 from diff_llama.adaptation import (
     AdaptationOptions,
     RetrievalExamples,
+    SecondHeadRate,
     adapt,
     answer_loss,
     learning_rate_factor,
     main,
+    pair_divergence,
     training_sentences,
 )
 from diff_llama.retrieval import HELD_OUT_CITIES, TRAINING_CITIES, filler_sentences
@@ -97,6 +99,45 @@ def test_adapt_trains_every_part_of_a_diff_v2_model_and_writes_curves(tmp_path, 
     saved = json.loads((tmp_path / "adapt.json").read_text())
     assert saved["probes"][-1]["perplexity"] == history["probes"][-1]["perplexity"]
     assert (tmp_path / "adapt.png").stat().st_size > 10_000
+
+
+def test_second_heads_of_diff_v2_pairs_take_their_own_learning_rate():
+    model = tiny_model(diff_version=2, num_attention_heads=6, num_key_value_heads=3)  # odd h = 3 differential heads
+    plain = copy.deepcopy(model)
+    for m in (model, plain):
+        for name, param in m.named_parameters():
+            param.grad = torch.sin(torch.arange(param.numel(), dtype=param.dtype)).view_as(param) + len(name) % 7
+    scaled_rows = SecondHeadRate(model, 5.0)
+    assert len(scaled_rows.rows) == len(model.model.layers)
+    for m, rows in ((model, scaled_rows), (plain, SecondHeadRate(plain, 1.0))):
+        before = copy.deepcopy(m.state_dict())
+        optimizer = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        rows.before_step()
+        optimizer.step()
+        rows.after_step()
+        m.steps = {k: v - before[k] for k, v in m.state_dict().items()}
+    d = model.config.head_dim
+    for key, step in model.steps.items():
+        reference = plain.steps[key]
+        if key.endswith("q_proj.weight"):
+            by_head = step.view(6, d, -1)
+            assert torch.allclose(by_head[0::2], reference.view(6, d, -1)[0::2])  # first heads: the base rate
+            assert torch.allclose(by_head[1::2], 5 * reference.view(6, d, -1)[1::2], atol=1e-9)
+            assert by_head[1::2].abs().min() > 0
+        else:
+            assert torch.equal(step, reference), key
+
+
+def test_pair_divergence_is_zero_for_a_lossless_conversion_and_none_for_a_llama():
+    model = tiny_model(diff_version=2)
+    for layer in model.model.layers:
+        heads = layer.self_attn.q_proj.weight.data.view(-1, 2, model.config.head_dim, model.config.hidden_size)
+        heads[:, 1] = heads[:, 0]
+    assert pair_divergence(model) == 0
+    model.model.layers[0].self_attn.q_proj.weight.data.view(-1, 2, model.config.head_dim, model.config.hidden_size)[
+        :, 1] *= 1.1  # first layer's second heads 10% off: the mean over layers is 0.1 / layers
+    assert pair_divergence(model) == pytest.approx(0.1 / len(model.model.layers), rel=1e-5)
+    assert pair_divergence(torch.nn.Linear(2, 2)) is None
 
 
 def test_adapt_command_saves_a_model_that_reloads(tmp_path, chat_tokenizer, capsys):

@@ -12,9 +12,12 @@ causal LM, so a converted model and its source LLaMA can be trained identically 
 - Language modelling on text (every `text_every` steps): a block of the training docstrings, the full next-token
   loss, which keeps held-out perplexity near the source's. Optionally (`kl_weight`) a KL term to the model as it was
   before training on the same block.
-- AdamW (`training.optimizer_for`: DIFF V2's λ projection at the base rate, version 1's λ vectors at their own),
-  linear warm-up then linear decay over `max_steps`, bfloat16 autocast on CPU by default (about 2.3x faster than
-  float32 on this project's CPU machine, with float32 master weights).
+- AdamW (`training.optimizer_for`), linear warm-up then linear decay over `max_steps`, bfloat16 autocast on CPU by
+  default (about 2.3x faster than float32 on this project's CPU machine, with float32 master weights).
+- What a DIFF V2 conversion adds to its source, its λ projection and the second (negative) query head of each pair,
+  trains at `differential_learning_rate`; everything the two models share trains at `learning_rate`. A lossless
+  conversion starts with both heads of a pair equal and λ = 0.5: at the base rate they part by 0.25% in 150 steps
+  and the model stays its source. The source has no such parameters, so the comparison stays like for like.
 
 The training budget is counted in CPU seconds of the training steps alone (evaluations excluded), so models trained
 side by side on a shared machine get comparable figures. Every `eval_every` steps a small held-out probe (evaluation
@@ -48,6 +51,9 @@ class AdaptationOptions:
         "help": "stop earlier once the training steps have used this many CPU-minutes (evaluations excluded)"})
     learning_rate: float = field(default=3e-5, metadata={"help": "AdamW learning rate (peak)"})
     lambda_learning_rate: float = field(default=1e-2, metadata={"help": "version 1's λ vectors' learning rate"})
+    differential_learning_rate: float = field(default=3e-4, metadata={
+        "help": "DIFF V2: learning rate (peak) of the λ projection and of each pair's second query head, what the "
+        "conversion adds to the source"})
     warmup_steps: int = field(default=20, metadata={"help": "linear warm-up steps, then linear decay to 0"})
     min_length: int = field(default=384, metadata={"help": "shortest retrieval example, in tokens"})
     max_length: int = field(default=2048, metadata={"help": "longest retrieval example, in tokens"})
@@ -162,6 +168,54 @@ def text_loss(model, block: torch.Tensor, reference=None, kl_weight: float = 0.0
     return loss
 
 
+class SecondHeadRate:
+    """Gives the second query head of every DIFF V2 pair `factor` times the update AdamW makes to it.
+
+    Those heads are rows of `q_proj.weight`, one tensor with the first heads, so no param group can hold them
+    alone; AdamW's update is elementwise, so scaling it after the step is the same as a learning rate of their own.
+    """
+
+    def __init__(self, model, factor: float):
+        from .modeling_diff_llama import DiffLlamaV2Attention
+
+        self.factor = factor
+        self.rows = []  # (weight, index of its second-head rows)
+        for module in model.modules():
+            if isinstance(module, DiffLlamaV2Attention):
+                weight, d = module.q_proj.weight, module.head_dim
+                heads = torch.arange(1, weight.shape[0] // d, 2, device=weight.device)
+                self.rows.append((weight, (heads[:, None] * d + torch.arange(d, device=weight.device)).flatten()))
+        self._before = []
+
+    def before_step(self):
+        if self.factor != 1:
+            self._before = [weight.detach()[rows].clone() for weight, rows in self.rows]
+
+    def after_step(self):
+        with torch.no_grad():
+            for (weight, rows), before in zip(self.rows, self._before):
+                weight[rows] = before + self.factor * (weight[rows] - before)
+        self._before = []
+
+
+def differential_parameters(model) -> list[torch.nn.Parameter]:
+    """DIFF V2's λ projections: parameters a conversion adds and its source lacks."""
+    return [param for name, param in model.named_parameters() if param.requires_grad and "lambda_proj" in name]
+
+
+def pair_divergence(model) -> float | None:
+    """Mean over DIFF V2 layers of ‖W_second − W_first‖ / ‖W_first‖ over the query heads of every pair: 0 right after
+    a lossless conversion, the model then computes its source; None for other models."""
+    from .modeling_diff_llama import DiffLlamaV2Attention
+
+    values = []
+    for module in model.modules():
+        if isinstance(module, DiffLlamaV2Attention):
+            heads = module.q_proj.weight.detach().float().view(-1, 2, module.head_dim, module.q_proj.in_features)
+            values.append(((heads[:, 1] - heads[:, 0]).norm() / heads[:, 0].norm()).item())
+    return sum(values) / len(values) if values else None
+
+
 def learning_rate_factor(step: int, options: AdaptationOptions) -> float:
     """Linear warm-up over `warmup_steps`, then linear decay to 0 at `max_steps`."""
     if step < options.warmup_steps:
@@ -215,13 +269,17 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
     if options.kl_weight > 0:
         reference = copy.deepcopy(model).eval().requires_grad_(False)
     model.train()
-    optimizer = optimizer_for(model, options.learning_rate, options.lambda_learning_rate)
+    extra = [{"params": differential_parameters(model), "lr": options.differential_learning_rate, "weight_decay": 0.0}]
+    optimizer = optimizer_for(model, options.learning_rate, options.lambda_learning_rate,
+                              extra_groups=[group for group in extra if group["params"]])
+    second_heads = SecondHeadRate(model, options.differential_learning_rate / options.learning_rate)
     base_rates = [group["lr"] for group in optimizer.param_groups]
     history = {"name": name, "options": asdict(options), "steps": [], "probes": []}
     cpu_seconds = 0.0
 
     def record_probe(step):
         history["probes"].append({"step": step, "cpu_minutes": cpu_seconds / 60,
+                                  "pair_divergence": pair_divergence(model),
                                   **probe(model, tokenizer, options, f"{name} @ {step}")})
         if output is not None:
             write_history(history, output)
@@ -244,7 +302,9 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
             lm.backward()
             entry["text_loss"] = lm.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        second_heads.before_step()
         optimizer.step()
+        second_heads.after_step()
         optimizer.zero_grad(set_to_none=True)
         cpu_seconds += time.process_time() - started
         entry["cpu_minutes"] = cpu_seconds / 60

@@ -124,6 +124,8 @@ class DiffLlamaFloat32Linear(nn.Linear):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         dtype = torch.promote_types(hidden_states.dtype, torch.float32)
+        if hidden_states.dtype == self.weight.dtype == dtype:
+            return super().forward(hidden_states)  # no casts: a decoding step pays for every op, no-op casts included
         bias = None if self.bias is None else self.bias.to(dtype)
         return nn.functional.linear(hidden_states.to(dtype), self.weight.to(dtype), bias)
 
@@ -834,10 +836,13 @@ class DiffLlamaV2Attention(nn.Module):
             **kwargs,
         )
         # (batch, seq, H, d) -> (batch, seq, h, 2 maps, d): maps 2i and 2i + 1 are differential head i's pair.
-        pairs = attn_output.reshape(*input_shape, -1, 2, self.head_dim)  # -1: this rank's heads under tensor parallel
+        first, second = attn_output.reshape(*input_shape, -1, 2, self.head_dim).unbind(-2)  # -1: this rank's heads
         lambdas = self.differential_lambda(hidden_states)[..., None]
-        differential = pairs[..., 0, :].to(lambdas.dtype) - lambdas * pairs[..., 1, :].to(lambdas.dtype)
-        attn_output = self.o_proj(differential.to(hidden_states.dtype).reshape(*input_shape, -1))
+        # first − λ·second in one op; addcmul promotes a bf16/fp16 pair to λ's float32.
+        differential = torch.addcmul(first, lambdas, second, value=-1).reshape(*input_shape, -1)
+        if differential.dtype != hidden_states.dtype:
+            differential = differential.to(hidden_states.dtype)
+        attn_output = self.o_proj(differential)
         return attn_output, attn_weights
 
     @staticmethod
