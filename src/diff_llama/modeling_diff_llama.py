@@ -123,9 +123,9 @@ class DiffLlamaFloat32Linear(nn.Linear):
     """nn.Linear computed in float32 or wider, whatever the dtype of its weight and input."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        dtype = torch.promote_types(hidden_states.dtype, torch.float32)
-        if hidden_states.dtype == self.weight.dtype == dtype:
+        if hidden_states.dtype == self.weight.dtype and hidden_states.dtype in (torch.float32, torch.float64):
             return super().forward(hidden_states)  # no casts: a decoding step pays for every op, no-op casts included
+        dtype = torch.promote_types(hidden_states.dtype, torch.float32)
         bias = None if self.bias is None else self.bias.to(dtype)
         return nn.functional.linear(hidden_states.to(dtype), self.weight.to(dtype), bias)
 
