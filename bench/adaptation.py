@@ -1,13 +1,17 @@
 """Issue 10 part 3: does a converted DiffLlama, trained like its source, retrieve better than the source?
 
 Trains SmolLM2-135M-Instruct and its DIFF V2 conversion with `diff-llama adapt`: the same examples in the same
-order, the same steps, learning rates and schedule (the recipe in `diff_llama.adaptation`), side by side, one
-thread each, the budget counted in CPU-minutes of the training steps. Then evaluates the source as it was and both
-trained models with `diff-llama evaluate` on the evaluation's cases (held-out cities and filler, bfloat16 weights,
-as the probes during training) and writes one table and the curves:
+order, the same steps and schedule, the same learning rate for every parameter the two share (the conversion's own
+λ projection and second query heads at `--differential-learning-rates`, one V2 run per rate), side by side, one
+thread each, the budget counted in CPU-minutes of the training steps. Then evaluates the source as it was and every
+trained model with `diff-llama evaluate` on the evaluation's cases (held-out cities and filler, bfloat16 weights, as
+the probes during training): 1K and 2K tokens in every setting, then 4K tokens in the multi-needle settings. Writes
+one report and the curves:
 
-    python bench/adaptation.py                       # convert (if needed), train both, evaluate, write the results
+    python bench/adaptation.py                       # convert (if needed), train, evaluate, write the results
     python bench/adaptation.py --skip-training       # evaluate and report models already trained into --work
+
+Each V2 run of about 270 steps at 2K tokens peaks near 9 GB of memory: three training processes do not fit in 24 GB.
 
 Results: bench/results/adaptation.md, .json (every case and every probe) and .png (curves against CPU-minutes).
 """
@@ -46,6 +50,8 @@ def main() -> None:
                         help="one V2 run per rate of its λ projection and second heads (all runs in parallel)")
     parser.add_argument("--lengths", nargs="+", default=["1024", "2048"], help="evaluation context lengths")
     parser.add_argument("--cases-per-depth", default="2", help="evaluation cases per (length, N x R, depth)")
+    parser.add_argument("--long-length", type=int, default=4096,
+                        help="the long evaluation's context (settings 2x2, 4x2, 6x2; 4 cases per depth)")
     parser.add_argument("--skip-training", action="store_true", help="reuse the trained models in --work")
     parser.add_argument("--output", default=str(RESULTS / "adaptation"), help="results prefix (.md, .json, .png)")
     args = parser.parse_args()
@@ -65,21 +71,25 @@ def main() -> None:
              for source, folder, name, extra in runs],
             [work / f"{folder}.log" for _, folder, _, _ in runs],
         )
-    evaluations = [("smollm2", "SmolLM2-135M-Instruct (before training)", "eval-source")]
-    evaluations += [(str(work / folder), f"{name}, adapted", f"eval-{folder}") for _, folder, name, _ in runs]
-    pending = [e for e in evaluations if not (work / e[2] / "retrieval.json").exists()]
-    for start in range(0, len(pending), 3):  # one thread each
-        batch = pending[start:start + 3]
-        run_parallel([[*cli, "evaluate", model, "--names", name, "--output", str(work / folder),
-                       "--dtype", "bfloat16", "--threads", "1", "--lengths", *args.lengths,
-                       "--cases-per-depth", args.cases_per_depth] for model, name, folder in batch],
-                     [work / f"{folder}.log" for _, _, folder in batch])
+    models = [("smollm2", "SmolLM2-135M-Instruct (before training)", "source")]
+    models += [(str(work / folder), f"{name}, adapted", folder) for _, folder, name, _ in runs]
+    # The main evaluation (1K/2K, every setting, perplexity), then the long one: 4K tokens, the multi-needle settings.
+    stages = (("eval", ["--lengths", *args.lengths, "--cases-per-depth", args.cases_per_depth]),
+              ("eval4k", ["--lengths", str(args.long_length), "--settings", "2x2", "4x2", "6x2", "--cases-per-depth",
+                          "4", "--perplexity-tokens", "0"]))
+    for prefix, flags in stages:
+        pending = [m for m in models if not (work / f"{prefix}-{m[2]}" / "retrieval.json").exists()]
+        for start in range(0, len(pending), 2):  # one thread each on a 2-core machine
+            batch = pending[start:start + 2]
+            run_parallel([[*cli, "evaluate", model, "--names", name, "--output", str(work / f"{prefix}-{folder}"),
+                           "--dtype", "bfloat16", "--threads", "1", *flags] for model, name, folder in batch],
+                         [work / f"{prefix}-{folder}.log" for _, _, folder in batch])
 
     from diff_llama.adaptation import plot_curves
     from diff_llama.retrieval import markdown_report, merge_reports, plot_report
 
-    report = merge_reports([json.loads((work / folder / "retrieval.json").read_text())
-                            for _, _, folder in evaluations])
+    report, long_report = (merge_reports([json.loads((work / f"{prefix}-{folder}" / "retrieval.json").read_text())
+                                          for _, _, folder in models]) for prefix, _ in stages)
     histories = [json.loads((work / folder / "adapt.json").read_text()) for _, folder, _, _ in runs]
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -99,9 +109,11 @@ def main() -> None:
                           f"{'–' if divergence is None else f'{divergence:.2%}'} |")
     curves += ["", "Pair divergence: ‖second − first‖ / ‖first‖ over the query heads of each DIFF V2 pair, mean over "
                "layers (0 right after the lossless conversion: the model is then its source)."]
-    markdown = markdown_report(report) + "\n".join(curves) + "\n"
+    markdown = (markdown_report(report) + f"\n## At {args.long_length} tokens\n\n" + markdown_report(long_report)
+                + "\n".join(curves) + "\n")
     output.with_suffix(".md").write_text(markdown)
-    output.with_suffix(".json").write_text(json.dumps({"evaluation": report, "training": histories}, indent=1))
+    output.with_suffix(".json").write_text(json.dumps(
+        {"evaluation": report, "evaluation_long": long_report, "training": histories}, indent=1))
     plot_curves(histories, output.with_name(output.name + "-curves.png"))
     plot_report(report, output.with_suffix(".png"))
     print(markdown)
