@@ -51,7 +51,7 @@ class AdaptationOptions:
         "help": "stop earlier once the training steps have used this many CPU-minutes (evaluations excluded)"})
     learning_rate: float = field(default=3e-5, metadata={"help": "AdamW learning rate (peak)"})
     lambda_learning_rate: float = field(default=1e-2, metadata={"help": "version 1's λ vectors' learning rate"})
-    differential_learning_rate: float = field(default=3e-4, metadata={
+    differential_learning_rate: float = field(default=1e-3, metadata={
         "help": "DIFF V2: learning rate (peak) of the λ projection and of each pair's second query head, what the "
         "conversion adds to the source"})
     warmup_steps: int = field(default=20, metadata={"help": "linear warm-up steps, then linear decay to 0"})
