@@ -269,9 +269,10 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
     if options.kl_weight > 0:
         reference = copy.deepcopy(model).eval().requires_grad_(False)
     model.train()
-    extra = [{"params": differential_parameters(model), "lr": options.differential_learning_rate, "weight_decay": 0.0}]
+    differential = differential_parameters(model)
+    extra_groups = [{"params": differential, "lr": options.differential_learning_rate, "weight_decay": 0.0}]
     optimizer = optimizer_for(model, options.learning_rate, options.lambda_learning_rate,
-                              extra_groups=[group for group in extra if group["params"]])
+                              extra_groups=extra_groups if differential else [])
     second_heads = SecondHeadRate(model, options.differential_learning_rate / options.learning_rate)
     base_rates = [group["lr"] for group in optimizer.param_groups]
     history = {"name": name, "options": asdict(options), "steps": [], "probes": []}

@@ -840,9 +840,7 @@ class DiffLlamaV2Attention(nn.Module):
         lambdas = self.differential_lambda(hidden_states)[..., None]
         # first − λ·second in one op; addcmul promotes a bf16/fp16 pair to λ's float32.
         differential = torch.addcmul(first, lambdas, second, value=-1).reshape(*input_shape, -1)
-        if differential.dtype != hidden_states.dtype:
-            differential = differential.to(hidden_states.dtype)
-        attn_output = self.o_proj(differential)
+        attn_output = self.o_proj(differential.to(hidden_states.dtype))
         return attn_output, attn_weights
 
     @staticmethod
