@@ -128,6 +128,13 @@ def test_second_heads_of_diff_v2_pairs_take_their_own_learning_rate():
             assert torch.equal(step, reference), key
 
 
+def test_adapt_refuses_learning_rates_it_cannot_use(chat_tokenizer):
+    model = tiny_model(vocab_size=len(chat_tokenizer), diff_version=2)
+    for bad in (dict(learning_rate=0.0), dict(differential_learning_rate=-1e-3)):
+        with pytest.raises(ValueError, match="learning_rate > 0 and differential_learning_rate >= 0"):
+            adapt(model, chat_tokenizer, AdaptationOptions(**bad, **SMALL))
+
+
 def test_pair_divergence_is_zero_for_a_lossless_conversion_and_none_for_a_llama():
     model = tiny_model(diff_version=2)
     for layer in model.model.layers:

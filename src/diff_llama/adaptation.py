@@ -262,6 +262,9 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
         torch.set_num_threads(options.threads)
     if options.max_steps < 1 or options.min_length > options.max_length:
         raise ValueError("need max_steps >= 1 and min_length <= max_length")
+    if options.learning_rate <= 0 or options.differential_learning_rate < 0:
+        raise ValueError(f"need learning_rate > 0 and differential_learning_rate >= 0 (got {options.learning_rate} "
+                         f"and {options.differential_learning_rate}); the second heads' rate is a multiple of the first")
     torch.manual_seed(options.seed)
     examples = RetrievalExamples(tokenizer, options)
     blocks = text_blocks(tokenizer, options.text_block, options.seed) if options.text_every else None
