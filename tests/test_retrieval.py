@@ -17,6 +17,7 @@ from diff_llama.retrieval import (
     filler_sentences,
     make_case,
     merge_reports,
+    paired_comparison,
     needle_sentence,
     run_case,
     score_output,
@@ -250,6 +251,7 @@ def test_evaluate_command_writes_json_table_and_plot(tmp_path, tokenizer, capsys
     assert [c["expected"] for c in report["models"][0]["cases"]] == [c["expected"] for c in report["models"][1]["cases"]]
     table = (out / "retrieval.md").read_text()
     assert "| llama | softmax |" in table and "N=3, R=2" in table and "0% answer ↑" in table
+    assert "McNemar" in table and "| llama | diff | 250 | " in table and "| llama | diff | all | " in table
     assert (out / "retrieval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Wrote" in capsys.readouterr().out
     lines = (out / "cases.jsonl").read_text().splitlines()
@@ -288,3 +290,31 @@ def test_smollm2_retrieves_one_needle():
     for r in results:
         assert r["allocation"]["total"] == pytest.approx(1.0, abs=1e-4)
         assert 0 < r["allocation"]["answer"] < 1
+
+
+def _exact_two_sided(k: int, n: int) -> float:
+    """The exact binomial test's definition: the total probability (p = 1/2) of every outcome no likelier than k."""
+    from fractions import Fraction
+    from math import comb
+
+    observed = Fraction(comb(n, k), 2 ** n)
+    return float(sum(Fraction(comb(n, i), 2 ** n) for i in range(n + 1) if Fraction(comb(n, i), 2 ** n) <= observed))
+
+
+@pytest.mark.parametrize("outcomes", [
+    "1100" * 5 + "10" * 7 + "01" * 2,  # 7 against 2 disagreements
+    "10" * 12 + "01",                  # 12 against 1
+    "11" * 9 + "00" * 3,               # no disagreement: p = 1
+    "01" * 4 + "10" * 4,               # a tie
+])
+def test_paired_comparison_is_mcnemars_exact_test(outcomes):
+    first = [{"seed": str(i), "correct": outcomes[2 * i] == "1"} for i in range(len(outcomes) // 2)]
+    second = [{"seed": str(i), "correct": outcomes[2 * i + 1] == "1"} for i in range(len(outcomes) // 2)]
+    c = paired_comparison(first, second)
+    pairs = [outcomes[i:i + 2] for i in range(0, len(outcomes), 2)]
+    assert (c["both"], c["only_first"], c["only_second"], c["neither"]) == tuple(pairs.count(p) for p in ("11", "10", "01", "00"))
+    assert c["cases"] == len(pairs)
+    assert c["p_value"] == pytest.approx(_exact_two_sided(c["only_second"], c["only_first"] + c["only_second"]))
+    assert paired_comparison(second, first)["p_value"] == pytest.approx(c["p_value"])
+    with pytest.raises(ValueError, match="same cases"):
+        paired_comparison(first, second[::-1])

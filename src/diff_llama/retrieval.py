@@ -512,6 +512,38 @@ def _num(value, digits=3) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+def paired_comparison(first_cases: list[dict], second_cases: list[dict]) -> dict:
+    """Two models on the same cases: how many each alone got right, and the exact two-sided McNemar p-value (a
+    binomial test on the cases where they disagree), the test for paired proportions."""
+    if [c["seed"] for c in first_cases] != [c["seed"] for c in second_cases]:
+        raise ValueError("paired_comparison needs the same cases in the same order (run both with the same options)")
+    pairs = [(a["correct"], b["correct"]) for a, b in zip(first_cases, second_cases)]
+    only_first = sum(a and not b for a, b in pairs)
+    only_second = sum(b and not a for a, b in pairs)
+    disagree = only_first + only_second
+    tail = sum(math.comb(disagree, k) for k in range(min(only_first, only_second) + 1)) / 2 ** disagree
+    return {"cases": len(pairs), "both": sum(a and b for a, b in pairs), "only_first": only_first,
+            "only_second": only_second, "neither": sum(not a and not b for a, b in pairs),
+            "p_value": min(1.0, 2 * tail)}
+
+
+def _paired_lines(models: list[dict], lengths: list[int]) -> list[str]:
+    lines = ["", "Paired on the same cases (each pair of models, by length and in all): cases only one of them got right, "
+             "and the exact McNemar p-value (two-sided; small means the difference is unlikely to be chance):", "",
+             "| first | second | length | both right | only first | only second | neither | p |",
+             "|---|---|---|---|---|---|---|---|"]
+    subsets = [(str(n), lambda c, n=n: c["length"] == n) for n in lengths]
+    if len(lengths) > 1:
+        subsets.append(("all", lambda c: True))
+    for i, first in enumerate(models):
+        for second in models[i + 1:]:
+            for label, keep in subsets:
+                c = paired_comparison([x for x in first["cases"] if keep(x)], [x for x in second["cases"] if keep(x)])
+                lines.append(f"| {first['name']} | {second['name']} | {label} | {c['both']} | {c['only_first']} | "
+                             f"{c['only_second']} | {c['neither']} | {c['p_value']:.3f} |")
+    return lines
+
+
 def markdown_report(report: dict) -> str:
     options = report["options"]
     settings = [f"{n}x{r}" for n, r in RetrievalArguments(settings=options["settings"]).parsed_settings()]
@@ -544,6 +576,8 @@ def markdown_report(report: dict) -> str:
     for m in models:
         by_depth = m["summary"]["accuracy_by_depth"]
         lines.append(f"| {m['name']} | " + " | ".join(_pct(by_depth.get(d)) for d in depths) + " |")
+    if len(models) > 1:
+        lines += _paired_lines(models, options["lengths"])
     if any(m["summary"]["allocation"] for m in models):
         lines += ["", "Attention allocation from the answer-generating position (Table 3 of the paper), mean over "
                   "layers, heads and cases, as a share of the mean row sum: answer needle / noise (everything except "
