@@ -344,11 +344,23 @@ def _query_rows(query: torch.Tensor, scaling: float, kv_heads: int) -> torch.Ten
     return rows.reshape(batch, kv_heads, query_len * group, head_dim)
 
 
-def _block_scores(query_rows, key, attention_mask, masking, start, stop, offset, skip_future, group, dtype):
-    """Masked scores of query tokens start..stop against the key columns they may see: (scores, rows, columns)."""
+def _block_buffer(buffer: torch.Tensor, *shape: int) -> torch.Tensor:
+    """A contiguous (shape) view of the start of a flat buffer allocated once per call: a fresh block-sized tensor
+    for every block costs more than its softmax on CPU (bench/results/attention_core.md)."""
+    return buffer[: math.prod(shape)].view(shape)
+
+
+def _block_scores(query_rows, key, attention_mask, masking, start, stop, offset, skip_future, group, buffer):
+    """Masked scores of query tokens start..stop against the key columns they may see, written into `buffer` (flat,
+    float32 or wider): (scores, rows, columns)."""
     rows = slice(start * group, stop * group)
     columns = stop + offset if skip_future else key.shape[2]
-    scores = torch.matmul(query_rows[:, :, rows], key[:, :, :columns].transpose(2, 3)).to(dtype)
+    batch, kv_heads = key.shape[:2]
+    scores = _block_buffer(buffer, batch, kv_heads, (stop - start) * group, columns)
+    if buffer.dtype == query_rows.dtype:
+        torch.matmul(query_rows[:, :, rows], key[:, :, :columns].transpose(2, 3), out=scores)
+    else:  # bf16/fp16 matmul on the CPU's low-precision units, scores kept in float32
+        scores.copy_(torch.matmul(query_rows[:, :, rows], key[:, :, :columns].transpose(2, 3)))
     return _mask_block(scores, attention_mask, masking, start, stop, columns, offset, group), rows, columns
 
 
@@ -382,10 +394,13 @@ class BlockedDifferentialAttention(torch.autograd.Function):
             row_max = query.new_empty(batch, kv_heads, query_len * group, 1, dtype=softmax_dtype)
             row_sum = torch.empty_like(row_max)
         masking = _block_masking(attention_mask, block_size, query.device)
+        rows_per_block = min(block_size, query_len) * group
+        score_buffer = query.new_empty(batch * kv_heads * rows_per_block * key.shape[2], dtype=softmax_dtype)
+        block_buffer = value.new_empty(batch * half * rows_per_block * 2 * head_dim)
         for start in range(0, query_len, block_size):
             stop = min(start + block_size, query_len)
             scores, rows, columns = _block_scores(rows_query, key, attention_mask, masking, start, stop, offset,
-                                                  skip_future, group, softmax_dtype)
+                                                  skip_future, group, score_buffer)
             if save_statistics:
                 # Not a single log-sum-exp: for a fully masked (padded) row, min + log(n) rounds to min, and the
                 # recomputed map would not be eager's uniform one.
@@ -394,9 +409,10 @@ class BlockedDifferentialAttention(torch.autograd.Function):
                 torch.sum(maps, dim=-1, keepdim=True, out=row_sum[:, :, rows])
                 maps = maps.div_(row_sum[:, :, rows])
             else:
-                maps = torch.softmax(scores, dim=-1)
+                maps = torch.softmax(scores, dim=-1, out=scores)
             differential = maps[:, :half].addcmul_(maps[:, half:], lam, value=-1).to(value.dtype)
-            block = torch.matmul(differential, value_pairs[:, :, :columns])  # (batch, G/2, rows, 2d)
+            block = _block_buffer(block_buffer, batch, half, (stop - start) * group, 2 * head_dim)
+            torch.matmul(differential, value_pairs[:, :, :columns], out=block)
             output[:, start:stop] = block.view(batch, half, stop - start, group, 2 * head_dim).transpose(1, 2)
         if save_statistics:
             ctx.save_for_backward(query, key, value, lambda_full, row_max, row_sum)
@@ -424,10 +440,12 @@ class BlockedDifferentialAttention(torch.autograd.Function):
         grad_pairs = torch.zeros_like(value_pairs, dtype=softmax_dtype)
         grad_lambda = torch.zeros((), dtype=softmax_dtype, device=query.device)
         masking = _block_masking(attention_mask, block_size, query.device)
+        score_buffer = query.new_empty(batch * kv_heads * min(block_size, query_len) * group * key.shape[2],
+                                       dtype=softmax_dtype)
         for start in range(0, query_len, block_size):
             stop = min(start + block_size, query_len)
             scores, rows, columns = _block_scores(rows_query, key, attention_mask, masking, start, stop, offset,
-                                                  skip_future, group, softmax_dtype)
+                                                  skip_future, group, score_buffer)
             maps = scores.sub_(row_max[:, :, rows]).exp_().div_(row_sum[:, :, rows])  # A1 (first G/2 heads), A2
             differential = torch.addcmul(maps[:, :half], maps[:, half:], lam, value=-1).to(value.dtype)
             grad_block = grad_output[:, :, rows]
@@ -510,10 +528,10 @@ def paired_sdpa_cpu_differential_attention(module, query, key, value, attention_
     return differential, None
 
 
-# Query rows per block of the blocked kernel. On the benchmark CPU (fp32, 8 heads of 64, 2 threads, lightly loaded)
-# 64 rows beat 32, 128 and 256 at 512 and 2048 tokens; under heavy load larger blocks lose less
-# (bench/results/attention_core*.md).
-BLOCKED_KERNEL_ROWS = 64
+# Query rows per block of the blocked kernel. On the benchmark CPU (fp32, 8 heads of 64, 2 threads, quiet), with the
+# block buffers allocated once per call, 128 rows match 96 and beat 64 at 512, 2048 and 8192 tokens (64 won while
+# every block allocated its own scores); under heavy load larger blocks lose less (bench/results/attention_core*.md).
+BLOCKED_KERNEL_ROWS = 128
 
 
 def blocked_differential_attention(module, query, key, value, attention_mask, lambda_full, **kwargs):
