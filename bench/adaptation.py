@@ -116,7 +116,10 @@ def main() -> None:
                           f"{'–' if divergence is None else f'{divergence:.2%}'} |")
     curves += ["", "Pair divergence: ‖second − first‖ / ‖first‖ over the query heads of each DIFF V2 pair, mean over "
                "layers (0 right after the lossless conversion: the model is then its source)."]
-    markdown = (markdown_report(report) + f"\n## At {args.long_length} tokens\n\n" + markdown_report(long_report)
+    # Paired tests of every trained V2 against the trained source (models: untrained source, trained source, V2s).
+    trained = [(1, j) for j in range(2, len(models))]
+    markdown = (markdown_report(report, trained) + f"\n## At {args.long_length} tokens\n\n"
+                + markdown_report(long_report, trained)
                 + "\n## Hard settings, fresh cases (seed 2), 2K and 4K tokens\n\n" + markdown_report(hard_report)
                 + "\n".join(curves) + "\n")
     output.with_suffix(".md").write_text(markdown)

@@ -2,18 +2,19 @@
 
 Each model is evaluated by its own `diff-llama evaluate` run (so that they can run one after another, or on
 different days, on the same cases); this script merges their retrieval.json files into
-bench/results/retrieval.{json,md,png}. The runs behind bench/results (2 CPU threads shared with other work):
+bench/results/retrieval.{json,md,png}. The runs behind bench/results (one thread each, bfloat16 weights, 80 cases):
 
-    diff-llama convert smollm2 outputs/smollm2-diff
-    diff-llama convert smollm2 outputs/smollm2-diff-v2 --diff-version 2
-    diff-llama evaluate smollm2 --output outputs/eval-source --lengths 1024 2048 --cases_per_depth 1 --threads 1
-    diff-llama evaluate outputs/smollm2-diff --output outputs/eval-v1 --lengths 1024 2048 --cases_per_depth 1 \\
-        --threads 1 --names "SmolLM2 → DiffLlama V1 (converted, λ=0)"
-    diff-llama evaluate outputs/smollm2-diff-v2 --output outputs/eval-v2 --lengths 1024 2048 --cases_per_depth 1 \\
-        --threads 1 --names "SmolLM2 → DiffLlama V2 (converted, λ=0.5)"
-    python bench/retrieval.py outputs/eval-source outputs/eval-v1 outputs/eval-v2
+    diff-llama convert smollm2 outputs/smollm2-v1 --diff-version 1
+    diff-llama recover outputs/smollm2-v1 --output outputs/smollm2-v1-recovered
+    diff-llama convert smollm2 outputs/smollm2-v2
+    diff-llama evaluate MODEL --output outputs/eval-NAME --names "LABEL" --lengths 1024 2048 --cases-per-depth 2 \
+        --dtype bfloat16 --threads 1          # for smollm2 and each converted model
+    python bench/retrieval.py outputs/eval-source outputs/eval-v1 outputs/eval-v1-recovered outputs/eval-v2 \
+        outputs/adapt/eval-llama outputs/adapt/eval-v2-1e-3     # the last two: bench/adaptation.py's trained models
 
-and at 4,096 tokens (bench/results/retrieval-4k/), the same with `--lengths 4096 --settings 1x1 4x2
+The paired tests compare every model with the first (the source).
+
+An earlier float32 run at 4,096 tokens (bench/results/retrieval-4k/) used `--lengths 4096 --settings 1x1 4x2
 --perplexity_tokens 0` into outputs/eval4k-*, then `python bench/retrieval.py --output bench/results/retrieval-4k ...`.
 
 Usage: python bench/retrieval.py FOLDER_OR_JSON [FOLDER_OR_JSON ...]

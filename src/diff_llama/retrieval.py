@@ -527,24 +527,26 @@ def paired_comparison(first_cases: list[dict], second_cases: list[dict]) -> dict
             "p_value": min(1.0, 2 * tail)}
 
 
-def _paired_lines(models: list[dict], lengths: list[int]) -> list[str]:
-    lines = ["", "Paired on the same cases (each pair of models, by length and in all): cases only one of them got right, "
-             "and the exact McNemar p-value (two-sided; small means the difference is unlikely to be chance):", "",
+def _paired_lines(models: list[dict], lengths: list[int], pairs: list[tuple[int, int]]) -> list[str]:
+    lines = ["", "Paired on the same cases (by length and in all): cases only one of the two models got right, and the "
+             "exact McNemar p-value (two-sided; small means the difference is unlikely to be chance):", "",
              "| first | second | length | both right | only first | only second | neither | p |",
              "|---|---|---|---|---|---|---|---|"]
     subsets = [(str(n), lambda c, n=n: c["length"] == n) for n in lengths]
     if len(lengths) > 1:
         subsets.append(("all", lambda c: True))
-    for i, first in enumerate(models):
-        for second in models[i + 1:]:
-            for label, keep in subsets:
-                c = paired_comparison([x for x in first["cases"] if keep(x)], [x for x in second["cases"] if keep(x)])
-                lines.append(f"| {first['name']} | {second['name']} | {label} | {c['both']} | {c['only_first']} | "
-                             f"{c['only_second']} | {c['neither']} | {c['p_value']:.3f} |")
+    for i, j in pairs:
+        first, second = models[i], models[j]
+        for label, keep in subsets:
+            c = paired_comparison([x for x in first["cases"] if keep(x)], [x for x in second["cases"] if keep(x)])
+            lines.append(f"| {first['name']} | {second['name']} | {label} | {c['both']} | {c['only_first']} | "
+                         f"{c['only_second']} | {c['neither']} | {c['p_value']:.3f} |")
     return lines
 
 
-def markdown_report(report: dict) -> str:
+def markdown_report(report: dict, pairs: list[tuple[int, int]] | None = None) -> str:
+    """The tables of a report. `pairs` (indices into report["models"]) picks the paired comparisons; by default every
+    model against the first."""
     options = report["options"]
     settings = [f"{n}x{r}" for n, r in RetrievalArguments(settings=options["settings"]).parsed_settings()]
     depths = [f"{d:g}" for d in options["depths"]]
@@ -577,7 +579,7 @@ def markdown_report(report: dict) -> str:
         by_depth = m["summary"]["accuracy_by_depth"]
         lines.append(f"| {m['name']} | " + " | ".join(_pct(by_depth.get(d)) for d in depths) + " |")
     if len(models) > 1:
-        lines += _paired_lines(models, options["lengths"])
+        lines += _paired_lines(models, options["lengths"], pairs or [(0, j) for j in range(1, len(models))])
     if any(m["summary"]["allocation"] for m in models):
         lines += ["", "Attention allocation from the answer-generating position (Table 3 of the paper), mean over "
                   "layers, heads and cases, as a share of the mean row sum: answer needle / noise (everything except "
