@@ -312,7 +312,8 @@ def test_paired_comparison_is_mcnemars_exact_test(outcomes):
     second = [{"seed": str(i), "correct": outcomes[2 * i + 1] == "1"} for i in range(len(outcomes) // 2)]
     c = paired_comparison(first, second)
     pairs = [outcomes[i:i + 2] for i in range(0, len(outcomes), 2)]
-    assert (c["both"], c["only_first"], c["only_second"], c["neither"]) == tuple(pairs.count(p) for p in ("11", "10", "01", "00"))
+    counts = tuple(pairs.count(p) for p in ("11", "10", "01", "00"))
+    assert (c["both"], c["only_first"], c["only_second"], c["neither"]) == counts
     assert c["cases"] == len(pairs)
     assert c["p_value"] == pytest.approx(_exact_two_sided(c["only_second"], c["only_first"] + c["only_second"]))
     assert paired_comparison(second, first)["p_value"] == pytest.approx(c["p_value"])

@@ -620,14 +620,16 @@ DIFFERENTIAL_KERNEL_DISPATCH = [
     ("sdpa", "*", "decode", "*", "decode",
      "CPU, fp32, one token after 128, quiet: 0.93x / 0.94x / 0.93x Llama's tokens/s (batch 1, batch 8, static cache) "
      "against 0.90x / 0.87x / 0.91x for the generic path's two calls in the same run (bench/results/model-kernels.md; "
-     "an earlier run of the same code: 0.98x / 0.96x / 0.97x); under load the generic path's two calls gave 0.74-0.91x against this "
-     "kernel's 0.91-0.96x (bench/results/model-kernels-loaded.md); aten ops per step 1006 against Llama's 893 "
+     "an earlier run of the same code: 0.98x / 0.96x / 0.97x); under load the generic path's two calls gave "
+     "0.74-0.91x against this kernel's 0.91-0.96x (bench/results/model-kernels-loaded.md); aten ops per step 1006 "
+     "against Llama's 893 "
      "(bench/results/decode_ops.md). Plain bmm and softmax, so it runs on CUDA too; unmeasured there."),
     ("sdpa", "cpu", "prefill", _FULL_PRECISION, "blocked",
      "CPU, fp32, quiet machine, one run (bench/results/model-kernels.md): whole-model prefill 1.04x / 1.09x / 1.15x "
      "Llama at 512 / 2048 / 8192 tokens against 1.18x / 1.26x / 1.43x for the padded call; attention layer at 2048 "
-     "1.20x against 1.44x. Under heavy load (load 6-9 on 2 cores) the older 64-row kernel lost at 512 and 2048: each "
-     "of its ops waits for descheduled threads (bench/results/model-kernels-loaded.md, kernel_profile-loaded-2048.md)."),
+     "1.20x against 1.44x. Under heavy load (load 6-9 on 2 cores) the older 64-row kernel lost at 512 and 2048: "
+     "each of its ops waits for descheduled threads (bench/results/model-kernels-loaded.md, "
+     "kernel_profile-loaded-2048.md)."),
     ("sdpa", "cpu", "train", _FULL_PRECISION, "blocked",
      "CPU, fp32, train step b4x256, quiet: 1.04x Llama's time and 1.03x its peak memory, against 1.06x / 1.11x for "
      "the padded call (bench/results/model-kernels.md); under load: memory 1.02x against 1.07x (paired_sdpa_cpu) and "
