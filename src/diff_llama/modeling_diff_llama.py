@@ -222,22 +222,26 @@ def differential_decode_attention(
             scores = torch.where(attention_mask, view, torch.finfo(scores.dtype).min).view_as(scores)
         else:
             scores = (view + attention_mask).view_as(scores)
-    maps = torch.softmax(scores, dim=-1, dtype=_float32_or_wider(query.dtype))
-    if maps.dtype != value.dtype:
-        maps = maps.to(value.dtype)
+    softmax_dtype = _float32_or_wider(query.dtype)
+    # softmax's dtype argument costs an op even when it changes nothing
+    maps = torch.softmax(scores, -1) if scores.dtype == softmax_dtype else torch.softmax(scores, -1, dtype=softmax_dtype)
     # Every value head must be read by the maps of both halves: next to each value head, stack the maps of the same
-    # position in both halves (map 1, then map 2), so that one bmm gives every (map, value half) product.
-    halves = maps.view(batch, 2, kv_heads // 2, group, key_len).transpose(1, 2)  # (batch, G/2, 2 maps, group, T)
-    both = halves.reshape(batch, 1, kv_heads // 2, 2 * group, key_len).expand(batch, 2, -1, -1, -1)
-    products = torch.bmm(both.reshape(batch * kv_heads, 2 * group, key_len),
+    # position in both halves (map 1, then map 2), so that one bmm gives every (map, value half) product. One copy
+    # (in the value dtype) builds it for both value halves: (batch, value half, G/2, 2 maps, group, T).
+    by_position = maps.view(batch, 2, kv_heads // 2, group, key_len).transpose(1, 2)  # (batch, G/2, map, group, T)
+    both = maps.new_empty(batch, 2, kv_heads // 2, 2, group, key_len, dtype=value.dtype)
+    both.copy_(by_position.unsqueeze(1))
+    products = torch.bmm(both.view(batch * kv_heads, 2 * group, key_len),
                          value.reshape(batch * kv_heads, key_len, head_dim))
     products = products.view(batch, 2, kv_heads // 2, 2, group, head_dim)
     if products.dtype != lambda_full.dtype:
         products = products.to(lambda_full.dtype)
-    # products[:, a, :, m] = A(map m)·V(half a): the differential map applied to value half a is m=0 − λ·(m=1).
-    differential = torch.addcmul(products[:, :, :, 0], products[:, :, :, 1], lambda_full, value=-1)
-    # (batch, value half, G/2, group, d) -> (batch, 1, H/2, 2d): differential head i = (G/2 position, group row).
-    return differential.permute(0, 2, 3, 1, 4).reshape(batch, 1, num_heads // 2, 2 * head_dim)
+    # products[:, a, :, m] = A(map m)·V(half a): the differential map applied to value half a is m=0 − λ·(m=1),
+    # written straight into the (batch, 1, H/2, 2d) layout: differential head i = (G/2 position, group row), 2d =
+    # (value half, d).
+    output = products.new_empty(batch, kv_heads // 2, group, 2, head_dim)
+    torch.addcmul(products[:, :, :, 0], products[:, :, :, 1], lambda_full, value=-1, out=output.permute(0, 3, 1, 2, 4))
+    return output.view(batch, 1, num_heads // 2, 2 * head_dim)
 
 
 def _pad_to_pairs(query, key, value):
