@@ -60,6 +60,11 @@ def main(out_dir, folders):
         }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
         json.dump(results, handle)
+    # from_pretrained(tp_plan=...) opened the process group; left open, gloo's threads can abort the interpreter at
+    # exit ("terminate called without an active exception", seen once in CI).
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -236,12 +236,11 @@ def differential_decode_attention(
     products = products.view(batch, 2, kv_heads // 2, 2, group, head_dim)
     if products.dtype != lambda_full.dtype:
         products = products.to(lambda_full.dtype)
-    # products[:, a, :, m] = A(map m)·V(half a): the differential map applied to value half a is m=0 − λ·(m=1),
-    # written straight into the (batch, 1, H/2, 2d) layout: differential head i = (G/2 position, group row), 2d =
-    # (value half, d).
-    output = products.new_empty(batch, kv_heads // 2, group, 2, head_dim)
-    torch.addcmul(products[:, :, :, 0], products[:, :, :, 1], lambda_full, value=-1, out=output.permute(0, 3, 1, 2, 4))
-    return output.view(batch, 1, num_heads // 2, 2 * head_dim)
+    # products[:, a, :, m] = A(map m)·V(half a): the differential map applied to value half a is m=0 − λ·(m=1).
+    differential = torch.addcmul(products[:, :, :, 0], products[:, :, :, 1], lambda_full, value=-1)
+    # (batch, value half, G/2, group, d) -> (batch, 1, H/2, 2d): differential head i = (G/2 position, group row). (An
+    # `out=` straight into that layout would save the copy, but torch.compile refuses a non-contiguous `out=`.)
+    return differential.permute(0, 2, 3, 1, 4).reshape(batch, 1, num_heads // 2, 2 * head_dim)
 
 
 def _pad_to_pairs(query, key, value):
