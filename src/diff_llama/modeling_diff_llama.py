@@ -624,7 +624,7 @@ DIFFERENTIAL_KERNEL_DISPATCH = [
      "CPU, fp32, one token after 128, quiet: 0.93x / 0.94x / 0.93x Llama's tokens/s (batch 1, batch 8, static cache) "
      "against 0.90x / 0.87x / 0.91x for the generic path's two calls in the same run (bench/results/model-kernels.md; "
      "other runs: 0.92x-0.98x); under load the generic path's two calls gave 0.74-0.91x against this kernel's "
-     "0.91-0.96x (bench/results/model-kernels-loaded.md); aten ops per step 974 against Llama's 893 "
+     "0.91-0.96x (bench/results/model-kernels-loaded.md); aten ops per step 986 against Llama's 893 "
      "(bench/results/decode_ops.md). Plain bmm and softmax, so it runs on CUDA too; unmeasured there."),
     ("sdpa", "cpu", "prefill", _FULL_PRECISION, "blocked",
      "CPU, fp32, quiet machine, one run (bench/results/model-kernels.md): whole-model prefill 1.04x / 1.09x / 1.15x "
