@@ -17,8 +17,8 @@ from diff_llama.retrieval import (
     filler_sentences,
     make_case,
     merge_reports,
-    paired_comparison,
     needle_sentence,
+    paired_comparison,
     run_case,
     score_output,
 )

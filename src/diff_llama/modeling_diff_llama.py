@@ -353,6 +353,12 @@ def _block_buffer(buffer: torch.Tensor, *shape: int) -> torch.Tensor:
     return buffer[: math.prod(shape)].view(shape)
 
 
+def _score_buffer(query, key, block_size, group, dtype) -> torch.Tensor:
+    """The flat buffer that every block of one call writes its scores into: a block's rows against every key column."""
+    return query.new_empty(key.shape[0] * key.shape[1] * min(block_size, query.shape[2]) * group * key.shape[2],
+                           dtype=dtype)
+
+
 def _block_scores(query_rows, key, attention_mask, masking, start, stop, offset, skip_future, group, buffer):
     """Masked scores of query tokens start..stop against the key columns they may see, written into `buffer` (flat,
     float32 or wider): (scores, rows, columns)."""
@@ -397,9 +403,8 @@ class BlockedDifferentialAttention(torch.autograd.Function):
             row_max = query.new_empty(batch, kv_heads, query_len * group, 1, dtype=softmax_dtype)
             row_sum = torch.empty_like(row_max)
         masking = _block_masking(attention_mask, block_size, query.device)
-        rows_per_block = min(block_size, query_len) * group
-        score_buffer = query.new_empty(batch * kv_heads * rows_per_block * key.shape[2], dtype=softmax_dtype)
-        block_buffer = value.new_empty(batch * half * rows_per_block * 2 * head_dim)
+        score_buffer = _score_buffer(query, key, block_size, group, softmax_dtype)
+        block_buffer = value.new_empty(batch * half * min(block_size, query_len) * group * 2 * head_dim)
         for start in range(0, query_len, block_size):
             stop = min(start + block_size, query_len)
             scores, rows, columns = _block_scores(rows_query, key, attention_mask, masking, start, stop, offset,
@@ -443,8 +448,7 @@ class BlockedDifferentialAttention(torch.autograd.Function):
         grad_pairs = torch.zeros_like(value_pairs, dtype=softmax_dtype)
         grad_lambda = torch.zeros((), dtype=softmax_dtype, device=query.device)
         masking = _block_masking(attention_mask, block_size, query.device)
-        score_buffer = query.new_empty(batch * kv_heads * min(block_size, query_len) * group * key.shape[2],
-                                       dtype=softmax_dtype)
+        score_buffer = _score_buffer(query, key, block_size, group, softmax_dtype)
         for start in range(0, query_len, block_size):
             stop = min(start + block_size, query_len)
             scores, rows, columns = _block_scores(rows_query, key, attention_mask, masking, start, stop, offset,
