@@ -54,6 +54,9 @@ def main() -> None:
     parser.add_argument("--long-length", type=int, default=4096,
                         help="the long evaluation's context (settings 2x2, 4x2, 6x2; 4 cases per depth)")
     parser.add_argument("--skip-training", action="store_true", help="reuse the trained models in --work")
+    parser.add_argument("--stages", nargs="+", choices=("eval", "eval4k", "evalhard"),
+                        default=["eval", "eval4k", "evalhard"],
+                        help="evaluations to run and report (evalhard alone: the paired test, a third of the time)")
     parser.add_argument("--output", default=str(RESULTS / "adaptation"), help="results prefix (.md, .json, .png)")
     args = parser.parse_args()
     work = Path(args.work)
@@ -78,11 +81,12 @@ def main() -> None:
     # The hard one, decided before its results were seen: fresh cases (seed 2), the multi-needle settings at 2K and
     # 4K, 8 cases per cell and depth, for the trained models only (the untrained source scores 7% at 4K), so that a
     # paired test can tell a difference from chance.
-    stages = (("eval", ["--lengths", *args.lengths, "--cases-per-depth", args.cases_per_depth], models),
+    stages = [("eval", ["--lengths", *args.lengths, "--cases-per-depth", args.cases_per_depth], models),
               ("eval4k", ["--lengths", str(args.long_length), "--settings", "2x2", "4x2", "6x2", "--cases-per-depth",
                           "4", "--perplexity-tokens", "0"], models),
               ("evalhard", ["--lengths", "2048", str(args.long_length), "--settings", "4x2", "6x2", "--cases-per-depth",
-                            "8", "--seed", "2", "--perplexity-tokens", "0"], models[1:]))
+                            "8", "--seed", "2", "--perplexity-tokens", "0"], models[1:])]
+    stages = [stage for stage in stages if stage[0] in args.stages]
     for prefix, flags, staged in stages:
         pending = [m for m in staged if not (work / f"{prefix}-{m[2]}" / "retrieval.json").exists()]
         for start in range(0, len(pending), 2):  # one thread each on a 2-core machine
@@ -94,11 +98,11 @@ def main() -> None:
     from diff_llama.adaptation import plot_curves
     from diff_llama.retrieval import markdown_report, merge_reports, plot_report
 
-    report, long_report, hard_report = (
-        merge_reports([json.loads((work / f"{prefix}-{folder}" / "retrieval.json").read_text())
-                       for _, _, folder in staged]) for prefix, _, staged in stages)
+    reports = {prefix: merge_reports([json.loads((work / f"{prefix}-{folder}" / "retrieval.json").read_text())
+                                      for _, _, folder in staged]) for prefix, _, staged in stages}
     histories = [json.loads((work / folder / "adapt.json").read_text()) for _, folder, _, _ in runs]
     output = Path(args.output)
+    names = {"eval": "evaluation", "eval4k": "evaluation_long", "evalhard": "evaluation_hard"}
     output.parent.mkdir(parents=True, exist_ok=True)
     curves = ["", "Training (`diff-llama adapt`, the same examples, steps and learning rates for both; CPU-minutes of "
               "the training steps, one thread each). Held-out probe at each point: accuracy on "
@@ -118,16 +122,17 @@ def main() -> None:
                "layers (0 right after the lossless conversion: the model is then its source)."]
     # Paired tests of every trained V2 against the trained source (models: untrained source, trained source, V2s).
     trained = [(1, j) for j in range(2, len(models))]
-    markdown = (markdown_report(report, trained) + f"\n## At {args.long_length} tokens\n\n"
-                + markdown_report(long_report, trained)
-                + "\n## Hard settings, fresh cases (seed 2), 2K and 4K tokens\n\n" + markdown_report(hard_report)
-                + "\n".join(curves) + "\n")
+    sections = {"eval": ("", lambda r: markdown_report(r, trained)),
+                "eval4k": (f"\n## At {args.long_length} tokens\n\n", lambda r: markdown_report(r, trained)),
+                "evalhard": ("\n## Hard settings, fresh cases (seed 2), 2K and 4K tokens\n\n", markdown_report)}
+    markdown = "".join(sections[prefix][0] + sections[prefix][1](report) for prefix, report in reports.items())
+    markdown += "\n".join(curves) + "\n"
     output.with_suffix(".md").write_text(markdown)
     output.with_suffix(".json").write_text(json.dumps(
-        {"evaluation": report, "evaluation_long": long_report, "evaluation_hard": hard_report, "training": histories},
+        {**{names[prefix]: report for prefix, report in reports.items()}, "training": histories},
         indent=1))
     plot_curves(histories, output.with_name(output.name + "-curves.png"))
-    plot_report(report, output.with_suffix(".png"))
+    plot_report(next(iter(reports.values())), output.with_suffix(".png"))
     print(markdown)
 
 

@@ -26,10 +26,10 @@ def step_ops(model, batch):
     ids = torch.randint(0, 32000, (batch, 128), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = model(ids, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        model(token, past_key_values=cache, use_cache=True)  # warm
+        cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+        model(token, cache=cache, use_cache=True)  # warm
         with torch.profiler.profile() as profile:
-            model(token, past_key_values=cache, use_cache=True)
+            model(token, cache=cache, use_cache=True)
     return collections.Counter(event.name for event in profile.events() if event.name.startswith("aten::"))
 
 
@@ -48,14 +48,14 @@ def attention_timing(batch, dtype) -> list[str]:
     for name in ("llama", "diff-llama"):
         model = build(name, dtype)
         with torch.no_grad():
-            cache = model(ids, use_cache=True).past_key_values
+            cache = model(ids, use_cache=True).cache
             attention = model.model.layers[0].self_attn
             hidden = torch.randn(batch, 1, model.config.hidden_size, dtype=dtype)
             position = model.model.rotary_emb(hidden, torch.full((batch, 1), 192))
 
             def steps(count=200):
                 for _ in range(count):
-                    attention(hidden, position, None, past_key_values=cache)
+                    attention(hidden, position, None, cache=cache)
                 cache.crop(-count)
 
             steps()

@@ -123,11 +123,11 @@ def test_cache_holds_llama_shaped_keys_and_cached_logits_equal_uncached(heads, k
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         full = model(input_ids, attention_mask=attention_mask).logits
-        first = model(input_ids[:, :6], attention_mask=attention_mask[:, :6], past_key_values=cache, use_cache=True)
+        first = model(input_ids[:, :6], attention_mask=attention_mask[:, :6], cache=cache, use_cache=True)
         assert cache.layers[0].keys.shape == (3, kv_heads, 6, 8)  # exactly a LLaMA's cache: G heads of width d
         logits = [first.logits]
         for t in range(6, 10):
-            step = model(input_ids[:, t : t + 1], attention_mask=attention_mask[:, : t + 1], past_key_values=cache,
+            step = model(input_ids[:, t : t + 1], attention_mask=attention_mask[:, : t + 1], cache=cache,
                          use_cache=True)
             logits.append(step.logits)
     real = attention_mask.bool()
@@ -181,7 +181,7 @@ def test_gradient_checkpointing_gives_same_gradients():
         model = v2_model(torch.float64)
         model.train()
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            model.activation_checkpointing_enable()
         model(input_ids, labels=input_ids).loss.backward()
         return {name: p.grad for name, p in model.named_parameters()}
 

@@ -16,9 +16,22 @@ def test_cached_logits_equal_uncached(heads, kv_heads):
     with torch.no_grad():
         full = model(input_ids).logits
         cache = DynamicCache(config=model.config)
-        prefix = model(input_ids[:, :7], past_key_values=cache, use_cache=True).logits
-        steps = [model(input_ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(7, 12)]
+        prefix = model(input_ids[:, :7], cache=cache, use_cache=True).logits
+        steps = [model(input_ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(7, 12)]
     torch.testing.assert_close(torch.cat([prefix, *steps], dim=1), full, rtol=0, atol=1e-12)
+
+
+def test_the_older_cache_argument_name_still_works():
+    """transformers 5.24 renamed `past_key_values` to `cache`; the old name is accepted with a warning, as Llama's."""
+    model = tiny_model(torch.float64)
+    input_ids = torch.randint(3, 128, (1, 6))
+    with torch.no_grad():
+        full = model(input_ids).logits
+        cache = DynamicCache(config=model.config)
+        model(input_ids[:, :5], cache=cache, use_cache=True)
+        with pytest.warns(FutureWarning, match="past_key_values"):
+            last = model(input_ids[:, 5:], past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(last, full[:, 5:], rtol=0, atol=1e-12)
 
 
 def _greedy(model, input_ids, attention_mask=None, **kwargs):

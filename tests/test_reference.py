@@ -37,10 +37,10 @@ def prefill_then_decode(model, input_ids, attention_mask, prefix=5):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         logits = [model(input_ids[:, :prefix], attention_mask=attention_mask[:, :prefix],
-                        position_ids=positions[:, :prefix], past_key_values=cache, use_cache=True).logits]
+                        position_ids=positions[:, :prefix], cache=cache, use_cache=True).logits]
         for t in range(prefix, input_ids.shape[1]):
             logits.append(model(input_ids[:, t : t + 1], attention_mask=attention_mask[:, : t + 1],
-                                position_ids=positions[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+                                position_ids=positions[:, t : t + 1], cache=cache, use_cache=True).logits)
     return torch.cat(logits, dim=1)
 
 

@@ -60,7 +60,6 @@ class DiffLlamaConfig(PreTrainedConfig):
     """
 
     model_type = "diff_llama"
-    keys_to_ignore_at_inference = ["past_key_values"]
 
     def __init__(
         self,

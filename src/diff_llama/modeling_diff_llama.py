@@ -43,6 +43,7 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, is_torch_distributed_available
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import GeneralInterface, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -720,12 +721,13 @@ class DiffLlamaAttention(nn.Module):
         eps = config.head_norm_epsilon(layer_idx)
         self.head_norm = DiffLlamaHeadNorm(2 * self.head_dim, eps=eps, elementwise_affine=False)
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
@@ -741,14 +743,14 @@ class DiffLlamaAttention(nn.Module):
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
 
         key_states = repeat_kv(key_states, self.kv_expansion)
         value_states = repeat_kv(value_states, self.kv_expansion)
 
         # λ in float32 (or wider): the subtraction cancels most of the signal, whatever the model dtype.
-        lambda_full = self._lambda(past_key_values)
+        lambda_full = self._lambda(cache)
         kernel = select_differential_kernel(self, query_states, key_states, attention_mask)
         attn_output, attn_weights = kernel(
             self, query_states, key_states, value_states, attention_mask, lambda_full, **kwargs
@@ -761,17 +763,17 @@ class DiffLlamaAttention(nn.Module):
         attn_output = self.o_proj(attn_output)
         return attn_output, attn_weights
 
-    def _lambda(self, past_key_values: Cache | None) -> torch.Tensor:
+    def _lambda(self, cache: Cache | None) -> torch.Tensor:
         """This layer's λ. Decoding without autograd reuses the λ computed earlier with the same cache (one
         generation), as long as no λ vector was modified in place (their version counters) or replaced (their data
         pointers); anything else computes it afresh (16 aten ops)."""
-        if past_key_values is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if cache is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return self.differential_lambda()
         vectors = [getattr(self.differential_lambda, name) for name in LAMBDA_VECTOR_NAMES]
         key = tuple((vector._version, vector.data_ptr(), vector.dtype, vector.device) for vector in vectors)
-        cached = getattr(past_key_values, "_differential_lambdas", None)
+        cached = getattr(cache, "_differential_lambdas", None)
         if cached is None:
-            cached = past_key_values._differential_lambdas = {}
+            cached = cache._differential_lambdas = {}
         entry = cached.get(self.layer_idx)
         if entry is None or entry[0] != key:
             entry = cached[self.layer_idx] = (key, self.differential_lambda())
@@ -825,12 +827,13 @@ class DiffLlamaV2Attention(nn.Module):
         )
         self.differential_lambda = DiffLlamaV2Lambda(config.hidden_size, self.num_differential_heads)
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
@@ -846,8 +849,8 @@ class DiffLlamaV2Attention(nn.Module):
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -1036,12 +1039,13 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = DiffLlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DiffLlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
@@ -1052,7 +1056,7 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
             hidden_states=hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
             **kwargs,
@@ -1071,7 +1075,7 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DiffLlamaDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache"]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -1178,6 +1182,7 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
 
         self.post_init()
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -1185,7 +1190,7 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
@@ -1196,11 +1201,11 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
 
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
 
         if position_ids is None:
-            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
@@ -1208,7 +1213,7 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             position_ids=position_ids,
         )
 
@@ -1221,13 +1226,13 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
+                cache=cache,
                 use_cache=use_cache,
                 **kwargs,
             )
 
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
 
 class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
@@ -1243,13 +1248,14 @@ class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
 
         self.post_init()
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -1260,7 +1266,7 @@ class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -1276,7 +1282,7 @@ class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            cache=outputs.cache,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )

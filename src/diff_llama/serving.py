@@ -1,6 +1,6 @@
 """`diff-llama serve`: transformers' own OpenAI-compatible server (`transformers serve`) for DiffLlama folders.
 
-`transformers serve` (5.23) builds a model from a folder with `getattr(transformers, config.architectures[0])`, never
+`transformers serve` (5.24) builds a model from a folder with `getattr(transformers, config.architectures[0])`, never
 through the Auto classes. For a DiffLlama folder that name, `DiffLlamaForCausalLM`, is transformers' built-in
 `diffllama` class, a different model: it refuses odd `num_key_value_heads` and ignores `diff_version` and
 `head_norm_eps`, so a converted model would fail to load or compute another function. `diff-llama serve` runs the
@@ -23,6 +23,7 @@ MODEL_TYPE = "diff_llama"
 
 def _model_manager_class():
     from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.utils import split_revision  # a local path may hold an "@"; it has no revision
 
     class DiffLlamaModelManager(ModelManager):
         """transformers' ModelManager; DiffLlama configs load through AutoModelForCausalLM."""
@@ -30,7 +31,7 @@ def _model_manager_class():
         def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
             from transformers import AutoConfig, AutoModelForCausalLM
 
-            model_id, revision = model_id_and_revision.split("@", 1)
+            model_id, revision = split_revision(model_id_and_revision)
             if gguf_file is None:
                 config = AutoConfig.from_pretrained(
                     model_id, revision=revision, trust_remote_code=self.trust_remote_code
