@@ -66,6 +66,25 @@ def test_the_example_stream_depends_on_the_seed_alone(chat_tokenizer):
     assert stream != [other.next() for _ in range(3)]
 
 
+def test_long_examples_are_a_share_of_the_stream_up_to_long_length(chat_tokenizer):
+    plain = RetrievalExamples(chat_tokenizer, AdaptationOptions(**SMALL))
+    mixed = RetrievalExamples(chat_tokenizer, AdaptationOptions(**SMALL, long_length=900, long_fraction=0.5))
+    lengths = [len(ids) - answer for ids, answer in (mixed.next() for _ in range(24))]
+    assert all(length <= 900 for length in lengths)
+    long = sum(length > SMALL["max_length"] for length in lengths)
+    assert 4 <= long <= 20  # about half of 24: drawn from (450, 900]; a few fall short by a filler sentence
+    assert max(lengths) > 700
+    assert all(len(ids) - answer <= SMALL["max_length"] for ids, answer in (plain.next() for _ in range(24)))
+
+
+def test_adapt_refuses_long_examples_it_cannot_draw(chat_tokenizer):
+    model = tiny_model(vocab_size=len(chat_tokenizer))
+    for bad in (dict(long_length=SMALL["max_length"]), dict(long_length=900, long_fraction=0.0),
+                dict(long_length=900, long_fraction=1.5)):
+        with pytest.raises(ValueError, match="long_length > max_length and 0 < long_fraction <= 1"):
+            adapt(model, chat_tokenizer, AdaptationOptions(**SMALL, **bad))
+
+
 def test_answer_loss_is_the_cross_entropy_of_the_answer_tokens(tokenizer):
     model = tiny_model(vocab_size=len(tokenizer)).double()
     ids = torch.randint(3, len(tokenizer), (40,)).tolist()

@@ -57,6 +57,10 @@ class AdaptationOptions:
     warmup_steps: int = field(default=20, metadata={"help": "linear warm-up steps, then linear decay to 0"})
     min_length: int = field(default=384, metadata={"help": "shortest retrieval example, in tokens"})
     max_length: int = field(default=2048, metadata={"help": "longest retrieval example, in tokens"})
+    long_length: int = field(default=0, metadata={
+        "help": "0: off. Above max_length: a long_fraction share of the retrieval examples is drawn from "
+        "(max_length, long_length] tokens instead, so a model sees long contexts for a fraction of their cost"})
+    long_fraction: float = field(default=0.25, metadata={"help": "share of long examples when long_length is set"})
     max_needles: int = field(default=8, metadata={"help": "needles per example: 1 .. this"})
     max_queries: int = field(default=3, metadata={"help": "queried needles per example: 1 .. min(this, needles)"})
     text_every: int = field(default=2, metadata={"help": "a language-modelling block every this many steps (0: none)"})
@@ -123,7 +127,10 @@ class RetrievalExamples:
         o, rng = self.options, self.rng
         needles = rng.randint(1, o.max_needles)
         queries = rng.randint(1, min(o.max_queries, needles))
-        case = make_case(self.tokenizer, rng.randint(o.min_length, o.max_length), rng.random(), needles, queries,
+        length = rng.randint(o.min_length, o.max_length)
+        if o.long_length and rng.random() < o.long_fraction:  # no extra draw without long examples: same stream
+            length = rng.randint(o.max_length + 1, o.long_length)
+        case = make_case(self.tokenizer, length, rng.random(), needles, queries,
                          seed=f"adapt-{o.seed}-{rng.random()}", city_pool=TRAINING_CITIES, filler=self._filler)
         answer = self.answer_ids(case.query_numbers)
         return case.input_ids + answer, len(answer)
@@ -262,6 +269,10 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
         torch.set_num_threads(options.threads)
     if options.max_steps < 1 or options.min_length > options.max_length:
         raise ValueError("need max_steps >= 1 and min_length <= max_length")
+    if options.long_length and (options.long_length <= options.max_length or not 0 < options.long_fraction <= 1):
+        raise ValueError(f"long examples need long_length > max_length and 0 < long_fraction <= 1 (got long_length "
+                         f"{options.long_length}, max_length {options.max_length}, long_fraction "
+                         f"{options.long_fraction}); set long_length 0 to train without them")
     if options.learning_rate <= 0 or options.differential_learning_rate < 0:
         raise ValueError(f"need learning_rate > 0 and differential_learning_rate >= 0 (got {options.learning_rate} "
                          f"and {options.differential_learning_rate}); the second heads' rate is a multiple of the first")
