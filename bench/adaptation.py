@@ -46,9 +46,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=270, help="training steps per model")
     parser.add_argument("--eval-every", type=int, default=90, help="steps between held-out probes")
     parser.add_argument("--max-length", type=int, default=2048, help="longest training example, in tokens")
-    parser.add_argument("--long-length", type=int, default=0,
-                        help="with --long-fraction: a share of the examples up to this many tokens (0: none)")
-    parser.add_argument("--long-fraction", default="0.25", help="share of the examples longer than --max-length")
+    parser.add_argument("--train-long-length", type=int, default=0,
+                        help="adapt's --long-length: a share of the examples up to this many tokens (0: none)")
+    parser.add_argument("--train-long-fraction", default="0.25", help="share of the examples longer than --max-length")
     parser.add_argument("--max-cpu-minutes", default="60", help="training budget per model (CPU-minutes)")
     parser.add_argument("--differential-learning-rates", nargs="+", default=["1e-3"],
                         help="one V2 run per rate of its λ projection and second heads (all runs in parallel)")
@@ -74,7 +74,7 @@ def main() -> None:
         run_parallel(
             [[*cli, "adapt", source, str(work / folder), "--name", name, "--max-steps", str(args.steps),
               "--eval-every", str(args.eval_every), "--max-length", str(args.max_length), "--threads", "1",
-              "--long-length", str(args.long_length), "--long-fraction", args.long_fraction,
+              "--long-length", str(args.train_long_length), "--long-fraction", args.train_long_fraction,
               "--max-cpu-minutes", args.max_cpu_minutes, *extra]
              for source, folder, name, extra in runs],
             [work / f"{folder}.log" for _, folder, _, _ in runs],
