@@ -4,7 +4,7 @@ Trains SmolLM2-135M-Instruct and its DIFF V2 conversion with `diff-llama adapt`:
 order, the same steps and schedule, the same learning rate for every parameter the two share (the conversion's own
 λ projection and second query heads at `--differential-learning-rates`, one V2 run per rate), side by side, one
 thread each, the budget counted in CPU-minutes of the training steps. Then evaluates the source as it was and every
-trained model with `diff-llama evaluate` on the evaluation's cases (held-out cities and filler, bfloat16 weights, as
+trained model with `diff-llama evaluate` on the evaluation's cases (held-out cities and filler, `--dtype` weights, as
 the probes during training): 1K and 2K tokens in every setting, then 4K tokens in the multi-needle settings, then
 the trained models on fresh hard cases (4x2 and 6x2 at 2K and 4K, 160 cases) with a paired test. Writes one report and
 the curves:
@@ -56,6 +56,9 @@ def main() -> None:
     parser.add_argument("--cases-per-depth", default="2", help="evaluation cases per (length, N x R, depth)")
     parser.add_argument("--long-length", type=int, default=4096,
                         help="the long evaluation's context (settings 2x2, 4x2, 6x2; 4 cases per depth)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                        help="training autocast and evaluation weights (auto: bfloat16 where the CPU has bf16 units; "
+                        "the published results used bfloat16 on such a CPU)")
     parser.add_argument("--skip-training", action="store_true", help="reuse the trained models in --work")
     parser.add_argument("--stages", nargs="+", choices=("eval", "eval4k", "evalhard"),
                         default=["eval", "eval4k", "evalhard"],
@@ -75,6 +78,7 @@ def main() -> None:
             [[*cli, "adapt", source, str(work / folder), "--name", name, "--max-steps", str(args.steps),
               "--eval-every", str(args.eval_every), "--max-length", str(args.max_length), "--threads", "1",
               "--long-length", str(args.train_long_length), "--long-fraction", args.train_long_fraction,
+              "--autocast", "none" if args.dtype == "float32" else args.dtype,
               "--max-cpu-minutes", args.max_cpu_minutes, *extra]
              for source, folder, name, extra in runs],
             [work / f"{folder}.log" for _, folder, _, _ in runs],
@@ -96,7 +100,7 @@ def main() -> None:
         for start in range(0, len(pending), 2):  # one thread each on a 2-core machine
             batch = pending[start:start + 2]
             run_parallel([[*cli, "evaluate", model, "--names", name, "--output", str(work / f"{prefix}-{folder}"),
-                           "--dtype", "bfloat16", "--threads", "1", *flags] for model, name, folder in batch],
+                           "--dtype", args.dtype, "--threads", "1", *flags] for model, name, folder in batch],
                          [work / f"{prefix}-{folder}.log" for _, _, folder in batch])
 
     from diff_llama.adaptation import plot_curves

@@ -12,8 +12,8 @@ causal LM, so a converted model and its source LLaMA can be trained identically 
 - Language modelling on text (every `text_every` steps): a block of the training docstrings, the full next-token
   loss, which keeps held-out perplexity near the source's. Optionally (`kl_weight`) a KL term to the model as it was
   before training on the same block.
-- AdamW (`training.optimizer_for`), linear warm-up then linear decay over `max_steps`, bfloat16 autocast on CPU by
-  default (about 2.3x faster than float32 on this project's CPU machine, with float32 master weights).
+- AdamW (`training.optimizer_for`), linear warm-up then linear decay over `max_steps`, float32 master weights, bfloat16
+  autocast where the CPU has bf16 units (2.3x faster than float32 there; emulated bf16 is 10x slower: `precision`).
 - What a DIFF V2 conversion adds to its source, its λ projection and the second (negative) query head of each pair,
   trains at `differential_learning_rate`; everything the two models share trains at `learning_rate`. A lossless
   conversion starts with both heads of a pair equal and λ = 0.5: at the base rate they part by 0.25% in 150 steps
@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .precision import resolve_dtype
 from .retrieval import TRAINING_CITIES, RetrievalArguments, make_case
 
 
@@ -67,7 +68,9 @@ class AdaptationOptions:
     text_block: int = field(default=512, metadata={"help": "tokens per language-modelling block"})
     kl_weight: float = field(default=0.0, metadata={
         "help": "weight of KL(model before training || model) on the text blocks (0: off; costs one more forward)"})
-    autocast: str = field(default="bfloat16", metadata={"help": "autocast dtype for the forward pass, or 'none'"})
+    autocast: str = field(default="auto", metadata={
+        "help": "autocast dtype of the forward pass: auto (bfloat16 where the CPU has bf16 units, else none), bfloat16, "
+        "float16, or none (float32)"})
     eval_every: int = field(default=100, metadata={"help": "steps between held-out probes (0: only at the end)"})
     eval_cases: int = field(default=2, metadata={"help": "probe cases per (N x R, depth) at each probe length"})
     eval_lengths: list[int] = field(default_factory=lambda: [2048], metadata={"help": "probe context lengths"})
@@ -253,7 +256,8 @@ def probe(model, tokenizer, options: AdaptationOptions, name: str) -> dict:
 
 
 def _autocast_dtype(options: AdaptationOptions):
-    return None if options.autocast in ("none", "float32") else getattr(torch, options.autocast)
+    dtype = resolve_dtype(options.autocast, "cpu")
+    return None if dtype == torch.float32 else dtype
 
 
 def _autocast(options: AdaptationOptions):
@@ -276,6 +280,7 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
     if options.learning_rate <= 0 or options.differential_learning_rate < 0:
         raise ValueError(f"need learning_rate > 0 and differential_learning_rate >= 0 (got {options.learning_rate} "
                          f"and {options.differential_learning_rate}); the second heads' rate is a multiple of the first")
+    _autocast_dtype(options)  # an unknown dtype fails here, before any work
     torch.manual_seed(options.seed)
     examples = RetrievalExamples(tokenizer, options)
     blocks = text_blocks(tokenizer, options.text_block, options.seed) if options.text_every else None
