@@ -46,7 +46,7 @@ def main() -> None:
             copy(ids[:, :64])  # warm-up
             seconds = timed(lambda: copy(ids))
         rows.append((f"prefill {args.tokens} tokens, {str(dtype)[6:]} weights (s)", seconds))
-    model = model.float().train()
+    model = model.to(torch.float32).train()
 
     def train_step(autocast: bool):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):

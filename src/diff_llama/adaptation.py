@@ -13,7 +13,7 @@ causal LM, so a converted model and its source LLaMA can be trained identically 
   loss, which keeps held-out perplexity near the source's. Optionally (`kl_weight`) a KL term to the model as it was
   before training on the same block.
 - AdamW (`training.optimizer_for`), linear warm-up then linear decay over `max_steps`, float32 master weights, bfloat16
-  autocast where the CPU has bf16 units (2.3x faster than float32 there; emulated bf16 is 10x slower: `precision`).
+  autocast where the CPU has bf16 units (2.3x faster than float32 there; emulated, a step takes 16x longer: `precision`).
 - What a DIFF V2 conversion adds to its source, its λ projection and the second (negative) query head of each pair,
   trains at `differential_learning_rate`; everything the two models share trains at `learning_rate`. A lossless
   conversion starts with both heads of a pair equal and λ = 0.5: at the base rate they part by 0.25% in 150 steps
