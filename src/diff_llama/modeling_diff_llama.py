@@ -622,7 +622,8 @@ ALL_DIFFERENTIAL_KERNELS = DifferentialAttentionInterface()
 # The automatic choice: (attention backend, device type, step, dtypes) -> kernel, first match wins, "*" matches
 # anything; steps: "prefill" (no autograd), "train" (autograd on), "decode" (one query token); dtypes: the query's
 # dtype. Each entry says why it wins. A kernel that does not support a call (see `supports`) passes it to the next
-# matching entry; "generic" ends the list.
+# matching entry; "generic" ends the list. The figures are from an Intel CPU with AMX; on an AMD EPYC (AVX2) every fp32
+# choice beat the padded call too (bench/results/model-kernels-epyc.md).
 _FULL_PRECISION = (torch.float32, torch.float64)
 DIFFERENTIAL_KERNEL_DISPATCH = [
     ("sdpa", "*", "decode", "*", "decode",
