@@ -13,7 +13,8 @@ causal LM, so a converted model and its source LLaMA can be trained identically 
   loss, which keeps held-out perplexity near the source's. Optionally (`kl_weight`) a KL term to the model as it was
   before training on the same block.
 - AdamW (`training.optimizer_for`), linear warm-up then linear decay over `max_steps`, float32 master weights, bfloat16
-  autocast where the CPU has bf16 units (2.3x faster than float32 there; emulated, a step takes 16x longer: `precision`).
+  autocast where the CPU has bf16 units (2.3x faster than float32 there; emulated, a step took 16x longer:
+  `precision`).
 - What a DIFF V2 conversion adds to its source, its λ projection and the second (negative) query head of each pair,
   trains at `differential_learning_rate`; everything the two models share trains at `learning_rate`. A lossless
   conversion starts with both heads of a pair equal and λ = 0.5: at the base rate they part by 0.25% in 150 steps
@@ -69,8 +70,8 @@ class AdaptationOptions:
     kl_weight: float = field(default=0.0, metadata={
         "help": "weight of KL(model before training || model) on the text blocks (0: off; costs one more forward)"})
     autocast: str = field(default="auto", metadata={
-        "help": "autocast dtype of the forward pass: auto (bfloat16 where the CPU has bf16 units, else none), bfloat16, "
-        "float16, or none (float32)"})
+        "help": "autocast dtype of the forward pass: auto (bfloat16 where the CPU has bf16 units, else none), "
+        "bfloat16, float16, or none (float32)"})
     eval_every: int = field(default=100, metadata={"help": "steps between held-out probes (0: only at the end)"})
     eval_cases: int = field(default=2, metadata={"help": "probe cases per (N x R, depth) at each probe length"})
     eval_lengths: list[int] = field(default_factory=lambda: [2048], metadata={"help": "probe context lengths"})

@@ -371,7 +371,8 @@ class RetrievalArguments:
         "help": "tokens of held-out text (standard-library docstrings) for perplexity; 0 skips it"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads (0: torch's default)"})
     dtype: str = field(default="float32", metadata={
-        "help": "float32, bfloat16, float16, or auto (bfloat16 where the device computes it in hardware, else float32)"})
+        "help": "float32, bfloat16, float16, or auto (bfloat16 where the device computes it in hardware, else "
+        "float32)"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda, ..."})
 
     def parsed_settings(self) -> list[tuple[int, int]]:
@@ -385,7 +386,8 @@ class RetrievalArguments:
 
 
 def load_model(name: str, dtype: str = "float32", device: str = "cpu"):
-    """Model (dtype: a `RetrievalArguments.dtype` value) and tokenizer from a folder, a .gguf file, a Hub id, or 'smollm2' (see `resolve.resolve_model`)."""
+    """Model (dtype: a `RetrievalArguments.dtype` value) and tokenizer from a folder, a .gguf file, a Hub id, or
+    'smollm2' (see `resolve.resolve_model`)."""
     import diff_llama  # noqa: F401  (registers DiffLlama with the Auto classes)
 
     from .resolve import load_causal_lm, load_tokenizer
@@ -433,7 +435,8 @@ def evaluate_model(model, tokenizer, options: RetrievalArguments, name: str = "m
             with open(progress_file, "a") as handle:
                 handle.write(json.dumps({"model": name, **results[-1]}) + "\n")
     report = {"name": name, "model_type": model.config.model_type, "maps": map_kind(model),
-              "dtype": str(model.dtype).removeprefix("torch."), "seconds": round(time.perf_counter() - started, 1), "cases": results}
+              "dtype": str(model.dtype).removeprefix("torch."), "seconds": round(time.perf_counter() - started, 1),
+              "cases": results}
     if options.perplexity_tokens > 0:
         from .corpus import HELD_OUT_MODULES, stdlib_docstrings
         from .evaluation import perplexity
