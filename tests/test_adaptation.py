@@ -183,3 +183,12 @@ def test_adapt_command_saves_a_model_that_reloads(tmp_path, chat_tokenizer, caps
     assert not (output / ".partial").exists()
     with pytest.raises(FileExistsError, match="not empty"):
         main([str(source), str(output), *flags])
+
+
+def test_adapt_command_checks_its_options_before_loading_a_model(tmp_path):
+    # The model path does not exist: the option error comes first, and nothing is written.
+    for flags, message in ((["--autocast", "fp8"], "unknown dtype 'fp8'"),
+                           (["--long-length", "1000"], "long_length > max_length")):
+        with pytest.raises(ValueError, match=message):
+            main([str(tmp_path / "no-such-model"), str(tmp_path / "out"), *flags])
+    assert not (tmp_path / "out").exists()

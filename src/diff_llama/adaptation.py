@@ -266,12 +266,9 @@ def _autocast(options: AdaptationOptions):
     return torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None)
 
 
-def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | None = None, name: str = "model") -> dict:
-    """Train `model` in place with the recipe above; returns the history (and writes adapt.json/png to `output`)."""
-    from .training import optimizer_for
-
-    if options.threads > 0:
-        torch.set_num_threads(options.threads)
+def check_options(options: AdaptationOptions) -> None:
+    """Raise ValueError, naming the values and the fix, for options `adapt` cannot train with (checked before a model
+    is loaded)."""
     if options.max_steps < 1 or options.min_length > options.max_length:
         raise ValueError("need max_steps >= 1 and min_length <= max_length")
     if options.long_length and (options.long_length <= options.max_length or not 0 < options.long_fraction <= 1):
@@ -281,7 +278,16 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
     if options.learning_rate <= 0 or options.differential_learning_rate < 0:
         raise ValueError(f"need learning_rate > 0 and differential_learning_rate >= 0 (got {options.learning_rate} "
                          f"and {options.differential_learning_rate}); the second heads' rate is a multiple of the first")
-    _autocast_dtype(options)  # an unknown dtype fails here, before any work
+    _autocast_dtype(options)  # an unknown dtype
+
+
+def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | None = None, name: str = "model") -> dict:
+    """Train `model` in place with the recipe above; returns the history (and writes adapt.json/png to `output`)."""
+    from .training import optimizer_for
+
+    if options.threads > 0:
+        torch.set_num_threads(options.threads)
+    check_options(options)
     torch.manual_seed(options.seed)
     examples = RetrievalExamples(tokenizer, options)
     blocks = text_blocks(tokenizer, options.text_block, options.seed) if options.text_every else None
@@ -427,6 +433,7 @@ def main(argv=None) -> int:
     output = Path(extra.output)
     if output.exists() and any(output.iterdir()):
         raise FileExistsError(f"{output} exists and is not empty; pick a new folder or remove it.")
+    check_options(options)
     model, tokenizer = load_model(extra.model)
     release_gguf_quantizer(model)
     name = extra.name or display_name(extra.model)
