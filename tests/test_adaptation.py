@@ -109,6 +109,7 @@ def test_adapt_trains_every_part_of_a_diff_v2_model_and_writes_curves(tmp_path, 
     history = adapt(model, chat_tokenizer, AdaptationOptions(max_steps=3, eval_every=2, autocast="none", **SMALL),
                     tmp_path, name="tiny")
     assert [p["step"] for p in history["probes"]] == [0, 2, 3]
+    assert history["autocast_dtype"] == "torch.float32"  # 'none': no autocast
     assert len(history["steps"]) == 3 and all("answer_loss" in s for s in history["steps"])
     assert [("text_loss" in s) for s in history["steps"]] == [True, False, True]
     assert history["cpu_minutes"] > 0

@@ -301,7 +301,9 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
                               extra_groups=extra_groups if differential else [])
     second_heads = SecondHeadRate(model, options.differential_learning_rate / options.learning_rate)
     base_rates = [group["lr"] for group in optimizer.param_groups]
-    history = {"name": name, "options": asdict(options), "steps": [], "probes": []}
+    # The dtype `auto` became on this machine, next to the options as given.
+    history = {"name": name, "options": asdict(options),
+               "autocast_dtype": str(_autocast_dtype(options) or torch.float32), "steps": [], "probes": []}
     cpu_seconds = 0.0
 
     def record_probe(step):
