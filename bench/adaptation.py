@@ -78,7 +78,7 @@ def main() -> None:
             [[*cli, "adapt", source, str(work / folder), "--name", name, "--max-steps", str(args.steps),
               "--eval-every", str(args.eval_every), "--max-length", str(args.max_length), "--threads", "1",
               "--long-length", str(args.train_long_length), "--long-fraction", args.train_long_fraction,
-              "--autocast", "none" if args.dtype == "float32" else args.dtype,
+              "--autocast", args.dtype,  # float32 means no autocast
               "--max-cpu-minutes", args.max_cpu_minutes, *extra]
              for source, folder, name, extra in runs],
             [work / f"{folder}.log" for _, folder, _, _ in runs],

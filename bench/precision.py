@@ -41,10 +41,10 @@ def main() -> None:
     train_ids = ids[:, : args.train_tokens]
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
-        copy = model.to(dtype)
+        model.to(dtype)  # in place
         with torch.no_grad():
-            copy(ids[:, :64])  # warm-up
-            seconds = timed(lambda: copy(ids))
+            model(ids[:, :64])  # warm-up
+            seconds = timed(lambda: model(ids))
         rows.append((f"prefill {args.tokens} tokens, {str(dtype)[6:]} weights (s)", seconds))
     model = model.to(torch.float32).train()
 
