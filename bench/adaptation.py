@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--cases-per-depth", default="2", help="evaluation cases per (length, N x R, depth)")
     parser.add_argument("--long-length", type=int, default=4096,
                         help="the long evaluation's context (settings 2x2, 4x2, 6x2; 4 cases per depth)")
+    parser.add_argument("--hard-cases-per-depth", default="8",
+                        help="evalhard cases per (length, N x R, depth): 8 makes 160 cases (4 halves its time)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                         help="training autocast and evaluation weights (auto: bfloat16 where the CPU has bf16 units; "
                         "the published results used bfloat16 on such a CPU)")
@@ -93,7 +95,7 @@ def main() -> None:
               ("eval4k", ["--lengths", str(args.long_length), "--settings", "2x2", "4x2", "6x2", "--cases-per-depth",
                           "4", "--perplexity-tokens", "0"], models),
               ("evalhard", ["--lengths", "2048", str(args.long_length), "--settings", "4x2", "6x2", "--cases-per-depth",
-                            "8", "--seed", "2", "--perplexity-tokens", "0"], models[1:])]
+                            args.hard_cases_per_depth, "--seed", "2", "--perplexity-tokens", "0"], models[1:])]
     stages = [stage for stage in stages if stage[0] in args.stages]
     for prefix, flags, staged in stages:
         pending = [m for m in staged if not (work / f"{prefix}-{m[2]}" / "retrieval.json").exists()]
