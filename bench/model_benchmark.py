@@ -223,32 +223,48 @@ def main():
                   + ", ".join(f"{a} / {b} {values[a] / values[b]:.3f}" for a, b in RATIOS
                               if a in values and b in values))
         return
-    write_results(results, args)
+    write_results(results, args, samples)
 
 
-def write_results(results, args):
+def round_ratio_range(samples, label, a, b) -> tuple[float, float] | None:
+    """Smallest and largest ratio a / b over the rounds: the two were measured back to back in each round, so the
+    range shows how far one run's ratio can move on this machine (a shared VM moves it by several percent)."""
+    if label not in samples or len(samples[label][a]) < 2:
+        return None
+    ratios = [x / y for x, y in zip(samples[label][a], samples[label][b])]
+    return min(ratios), max(ratios)
+
+
+def write_results(results, args, samples):
     RESULTS.mkdir(exist_ok=True)
     name = args.output or ("model" if args.dtype == "float32" else f"model-{args.dtype}")
     models = args.models
     ratios = [(a, b) for a, b in RATIOS if a in models and b in models]
     meta = {"shape": SHAPE, "dtype": args.dtype, "threads": args.threads, "rounds": args.rounds,
             "torch": torch.__version__, "models": models}
-    (RESULTS / f"{name}.json").write_text(json.dumps({"config": meta, "results": results}, indent=2) + "\n")
+    (RESULTS / f"{name}.json").write_text(
+        json.dumps({"config": meta, "results": results, "samples": samples}, indent=2) + "\n")
     lines = [
         f"hidden {SHAPE['hidden_size']}, {SHAPE['num_attention_heads']} heads, {SHAPE['num_hidden_layers']} layers, "
         f"{args.dtype}, {args.threads} threads, medians of {args.rounds} interleaved rounds. Times: lower is better; "
-        "tok/s: higher is better.",
+        "tok/s: higher is better. A ratio is of the medians; in brackets, the smallest and largest ratio of the "
+        "same two models within one round.",
         "",
         "| figure | " + " | ".join(models) + " | " + " | ".join(f"{a} / {b}" for a, b in ratios) + " |",
         "|---" * (1 + len(models) + len(ratios)) + "|",
     ]
     for label, values in results.items():
         lines.append(f"| {label} | " + " | ".join(f"{values[name]:.1f}" for name in models) + " | "
-                     + " | ".join(f"{values[a] / values[b]:.2f}" for a, b in ratios) + " |")
+                     + " | ".join(_ratio_cell(values, samples, label, a, b) for a, b in ratios) + " |")
     (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     if {"llama", "diff-llama", "built-in", "diff-llama v2"} <= set(models):
         plot(results, RESULTS / f"{name}.png")
+
+
+def _ratio_cell(values, samples, label, a, b) -> str:
+    spread = round_ratio_range(samples, label, a, b)
+    return f"{values[a] / values[b]:.2f}" + ("" if spread is None else f" ({spread[0]:.2f}–{spread[1]:.2f})")
 
 
 def plot(results, path):
