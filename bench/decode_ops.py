@@ -6,7 +6,12 @@ difference per layer by op name. With --timing, also the time of one layer's att
 each called alone on the same inputs: the λ lookup, the kernel choice, the one-token kernel (against Llama's
 attention function), the head norm and (1 − λ_init).
 
-Usage: python bench/decode_ops.py [--batch 1] [--dtype float32] [--timing] [--write]
+With --products, what the one-token kernel's parts cost in every formulation torch offers, against Llama's
+whole fused SDPA call on the same cache: the score product (bmm, the kernel's choice; 4-D matmul; einsum;
+multiply-and-sum), the softmax, and the value product (bmm on the maps stacked for both value halves, the kernel's
+choice; a broadcasting 4-D matmul that stacks them implicitly; two bmm, one per value half).
+
+Usage: python bench/decode_ops.py [--batch 1] [--dtype float32] [--timing] [--products] [--write]
 Writes bench/results/decode_ops.md with --write.
 """
 
@@ -80,11 +85,63 @@ def attention_timing(batch, dtype) -> list[str]:
             "| what | µs |", "|---|---|"] + [f"| {name} | {value:.1f} |" for name, value in rows.items()]
 
 
+def product_timing(batch, dtype) -> list[str]:
+    """µs of the one-token kernel's parts in each formulation, and of Llama's fused SDPA call, 192 cached tokens."""
+    from diff_llama.modeling_diff_llama import differential_decode_attention
+
+    heads, kv_heads, head_dim = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"], 64
+    group, length = heads // kv_heads, 192
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(batch, heads, 1, head_dim, generator=generator).to(dtype)
+    key, value = (torch.randn(batch, kv_heads, length, head_dim, generator=generator).to(dtype) for _ in range(2))
+    lam = torch.tensor(0.3)
+    rows = query.reshape(batch * kv_heads, group, head_dim)
+    keys = key.reshape(batch * kv_heads, length, head_dim)
+    values = value.reshape(batch * kv_heads, length, head_dim)
+    maps = torch.softmax(torch.bmm(rows, keys.transpose(1, 2)), -1)  # (batch * G, group, T)
+    by_half = maps.view(batch, 2, kv_heads // 2, group, length)
+    stacked = by_half.transpose(1, 2).unsqueeze(1).expand(batch, 2, kv_heads // 2, 2, group, length).contiguous()
+    value_halves = value.view(batch, 2, kv_heads // 2, length, head_dim)
+    candidates = {
+        "Llama: the whole SDPA call (scores, softmax, values)": lambda: torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, enable_gqa=group > 1),  # transformers passes enable_gqa only when needed
+        "diff-llama: the whole one-token kernel": lambda: differential_decode_attention(
+            query, key, value, None, head_dim**-0.5, lam),
+        "scores: bmm (the kernel's)": lambda: torch.bmm(rows, keys.transpose(1, 2)),
+        "scores: 4-D matmul": lambda: torch.matmul(query.view(batch, kv_heads, group, head_dim), key.transpose(2, 3)),
+        "scores: einsum": lambda: torch.einsum("bgqd,bgtd->bgqt", query.view(batch, kv_heads, group, head_dim), key),
+        "scores: multiply and sum": lambda: (key * query.view(batch, kv_heads, group, head_dim)).sum(-1),
+        "softmax": lambda: torch.softmax(maps, -1),
+        "values: bmm on the stacked maps (the kernel's)": lambda: torch.bmm(
+            stacked.view(batch * kv_heads, 2 * group, length), values),
+        "values: broadcasting 4-D matmul (stacks implicitly)": lambda: torch.matmul(
+            by_half.transpose(1, 2).reshape(batch, 1, kv_heads // 2, 2 * group, length), value_halves),
+        "values: two bmm, one per value half": lambda: [torch.bmm(
+            by_half.transpose(1, 2).reshape(batch * kv_heads // 2, 2 * group, length),
+            value_halves[:, half].reshape(batch * kv_heads // 2, length, head_dim)) for half in range(2)],
+    }
+    # Same products, whatever the formulation (else the timing compares different work).
+    scores = candidates["scores: bmm (the kernel's)"]().view(-1)
+    same = [(scores, candidates[name]().reshape(-1))
+            for name in ("scores: 4-D matmul", "scores: einsum", "scores: multiply and sum")]
+    products = candidates["values: bmm on the stacked maps (the kernel's)"]().view(batch, 2, kv_heads // 2, 2, group, -1)
+    same.append((products, candidates["values: broadcasting 4-D matmul (stacks implicitly)"]().view_as(products)))
+    same += [(products[:, half], candidates["values: two bmm, one per value half"]()[half].view_as(products[:, half]))
+             for half in range(2)]
+    assert all(torch.allclose(a.float(), b.float(), atol=1e-4, rtol=1e-3) for a, b in same)
+    timings = {name: _microseconds(fn, number=500) for name, fn in candidates.items()}
+    return ["", f"The one-token kernel's parts in each formulation, batch {batch}, {length} cached tokens, {heads} "
+            f"query heads over {kv_heads} key/value heads, µs (`--products`; each called alone, best of 9 x 500):", "",
+            "| what | µs |", "|---|---|"] + [f"| {name} | {value:.1f} |" for name, value in timings.items()]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--timing", action="store_true", help="time one layer's attention and its parts")
+    parser.add_argument("--products", action="store_true",
+                        help="time the one-token kernel's parts in every formulation against Llama's SDPA call")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -106,6 +163,8 @@ def main():
             sorted(difference.items(), key=lambda item: -abs(item[1])) if count)]
     if args.timing:
         lines += attention_timing(args.batch, getattr(torch, args.dtype))
+    if args.products:
+        lines += product_timing(args.batch, getattr(torch, args.dtype))
     print("\n".join(lines))
     if args.write:
         (Path(__file__).parent / "results" / "decode_ops.md").write_text("\n".join(lines) + "\n")

@@ -220,7 +220,7 @@ def main():
     if args.only:
         for label, values in results.items():
             print(f"{label}: " + ", ".join(f"{name} {value:.1f}" for name, value in values.items()) + "; "
-                  + ", ".join(f"{a} / {b} {values[a] / values[b]:.3f}" for a, b in RATIOS
+                  + ", ".join(f"{a} / {b} {_ratio_cell(values, samples, label, a, b)}" for a, b in RATIOS
                               if a in values and b in values))
         return
     write_results(results, args, samples)
