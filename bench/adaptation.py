@@ -58,6 +58,8 @@ def main() -> None:
                         help="the long evaluation's context (settings 2x2, 4x2, 6x2; 4 cases per depth)")
     parser.add_argument("--hard-cases-per-depth", default="8",
                         help="evalhard cases per (length, N x R, depth): 8 makes 160 cases (4 halves its time)")
+    parser.add_argument("--hard-lengths", nargs="+", default=None,
+                        help="evalhard's context lengths (default: 2048 and --long-length)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                         help="training autocast and evaluation weights (auto: bfloat16 where the CPU has bf16 units; "
                         "the published results used bfloat16 on such a CPU)")
@@ -68,6 +70,7 @@ def main() -> None:
     parser.add_argument("--output", default=str(RESULTS / "adaptation"), help="results prefix (.md, .json, .png)")
     args = parser.parse_args()
     work = Path(args.work)
+    hard_lengths = args.hard_lengths or ["2048", str(args.long_length)]
     cli = [sys.executable, "-m", "diff_llama.cli"]
     converted = work / "smollm2-v2"
     runs = [("smollm2", "llama", "SmolLM2-135M-Instruct", [])]
@@ -94,21 +97,25 @@ def main() -> None:
     stages = [("eval", ["--lengths", *args.lengths, "--cases-per-depth", args.cases_per_depth], models),
               ("eval4k", ["--lengths", str(args.long_length), "--settings", "2x2", "4x2", "6x2", "--cases-per-depth",
                           "4", "--perplexity-tokens", "0"], models),
-              ("evalhard", ["--lengths", "2048", str(args.long_length), "--settings", "4x2", "6x2", "--cases-per-depth",
+              ("evalhard", ["--lengths", *hard_lengths, "--settings", "4x2", "6x2", "--cases-per-depth",
                             args.hard_cases_per_depth, "--seed", "2", "--perplexity-tokens", "0"], models[1:])]
     stages = [stage for stage in stages if stage[0] in args.stages]
+    # Each stage's evaluations go to <stage>-<model>; evalhard at other lengths than the default gets its own folders.
+    folders = {"eval": "eval", "eval4k": "eval4k",
+               "evalhard": "evalhard" + ("" if args.hard_lengths is None else "-" + "-".join(hard_lengths))}
     for prefix, flags, staged in stages:
-        pending = [m for m in staged if not (work / f"{prefix}-{m[2]}" / "retrieval.json").exists()]
+        pending = [m for m in staged if not (work / f"{folders[prefix]}-{m[2]}" / "retrieval.json").exists()]
         for start in range(0, len(pending), 2):  # one thread each on a 2-core machine
             batch = pending[start:start + 2]
-            run_parallel([[*cli, "evaluate", model, "--names", name, "--output", str(work / f"{prefix}-{folder}"),
-                           "--dtype", args.dtype, "--threads", "1", *flags] for model, name, folder in batch],
-                         [work / f"{prefix}-{folder}.log" for _, _, folder in batch])
+            run_parallel([[*cli, "evaluate", model, "--names", name, "--output",
+                           str(work / f"{folders[prefix]}-{folder}"), "--dtype", args.dtype, "--threads", "1", *flags]
+                          for model, name, folder in batch],
+                         [work / f"{folders[prefix]}-{folder}.log" for _, _, folder in batch])
 
     from diff_llama.adaptation import plot_curves
     from diff_llama.retrieval import markdown_report, merge_reports, plot_report
 
-    reports = {prefix: merge_reports([json.loads((work / f"{prefix}-{folder}" / "retrieval.json").read_text())
+    reports = {prefix: merge_reports([json.loads((work / f"{folders[prefix]}-{folder}" / "retrieval.json").read_text())
                                       for _, _, folder in staged]) for prefix, _, staged in stages}
     histories = [json.loads((work / folder / "adapt.json").read_text()) for _, folder, _, _ in runs]
     output = Path(args.output)
@@ -134,7 +141,8 @@ def main() -> None:
     trained = [(1, j) for j in range(2, len(models))]
     sections = {"eval": ("", lambda r: markdown_report(r, trained)),
                 "eval4k": (f"\n## At {args.long_length} tokens\n\n", lambda r: markdown_report(r, trained)),
-                "evalhard": ("\n## Hard settings, fresh cases (seed 2), 2K and 4K tokens\n\n", markdown_report)}
+                "evalhard": (f"\n## Hard settings, fresh cases (seed 2), {' and '.join(hard_lengths)} tokens\n\n",
+                             markdown_report)}
     markdown = "".join(sections[prefix][0] + sections[prefix][1](report) for prefix, report in reports.items())
     markdown += "\n".join(curves) + "\n"
     output.with_suffix(".md").write_text(markdown)

@@ -22,6 +22,7 @@ import timeit
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from model_benchmark import SHAPE, build  # noqa: E402
@@ -103,7 +104,7 @@ def product_timing(batch, dtype) -> list[str]:
     stacked = by_half.transpose(1, 2).unsqueeze(1).expand(batch, 2, kv_heads // 2, 2, group, length).contiguous()
     value_halves = value.view(batch, 2, kv_heads // 2, length, head_dim)
     candidates = {
-        "Llama: the whole SDPA call (scores, softmax, values)": lambda: torch.nn.functional.scaled_dot_product_attention(
+        "Llama: the whole SDPA call (scores, softmax, values)": lambda: F.scaled_dot_product_attention(
             query, key, value, enable_gqa=group > 1),  # transformers passes enable_gqa only when needed
         "diff-llama: the whole one-token kernel": lambda: differential_decode_attention(
             query, key, value, None, head_dim**-0.5, lam),
@@ -124,7 +125,8 @@ def product_timing(batch, dtype) -> list[str]:
     scores = candidates["scores: bmm (the kernel's)"]().view(-1)
     same = [(scores, candidates[name]().reshape(-1))
             for name in ("scores: 4-D matmul", "scores: einsum", "scores: multiply and sum")]
-    products = candidates["values: bmm on the stacked maps (the kernel's)"]().view(batch, 2, kv_heads // 2, 2, group, -1)
+    products = candidates["values: bmm on the stacked maps (the kernel's)"]()
+    products = products.view(batch, 2, kv_heads // 2, 2, group, -1)
     same.append((products, candidates["values: broadcasting 4-D matmul (stacks implicitly)"]().view_as(products)))
     same += [(products[:, half], candidates["values: two bmm, one per value half"]()[half].view_as(products[:, half]))
              for half in range(2)]
