@@ -622,8 +622,9 @@ ALL_DIFFERENTIAL_KERNELS = DifferentialAttentionInterface()
 # The automatic choice: (attention backend, device type, step, dtypes) -> kernel, first match wins, "*" matches
 # anything; steps: "prefill" (no autograd), "train" (autograd on), "decode" (one query token); dtypes: the query's
 # dtype. Each entry says why it wins. A kernel that does not support a call (see `supports`) passes it to the next
-# matching entry; "generic" ends the list. The figures are from an Intel CPU with AMX; on an AMD EPYC (AVX2) every fp32
-# choice beat the padded call too (bench/results/model-kernels-epyc.md).
+# matching entry; "generic" ends the list. The figures are from an Intel CPU with AMX; on an AMD EPYC (AVX2) the fp32
+# choices beat the padded call in two runs of three and in training memory always, by margins inside that shared VM's
+# run-to-run spread for decoding (bench/results/model-kernels-epyc*.md, README "Speed against Llama and the built-in").
 _FULL_PRECISION = (torch.float32, torch.float64)
 DIFFERENTIAL_KERNEL_DISPATCH = [
     ("sdpa", "*", "decode", "*", "decode",
