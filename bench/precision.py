@@ -6,7 +6,8 @@ autocast, then reports the CPU's bf16 capabilities and `diff_llama.precision.fas
 
     python bench/precision.py [--tokens 2048] [--threads 1]
 
-Writes bench/results/precision-<cpu>.md (one file per kind of CPU).
+Writes bench/results/precision-<cpu>-<bf16 units>.md (one file per kind of CPU: CPUs of one name differ, e.g. AMD EPYCs
+with and without AVX512-BF16).
 """
 
 import argparse
@@ -78,7 +79,8 @@ def main() -> None:
         f"{rows[3][1] / rows[2][1]:.2f}x.",
     ]
     RESULTS.mkdir(exist_ok=True)
-    output = RESULTS / f"precision-{re.sub(r'[^a-z0-9]+', '-', cpu.lower()).strip('-')}.md"
+    present = [name for name, found in units.items() if found] or ["no-bf16-units"]
+    output = RESULTS / f"precision-{re.sub(r'[^a-z0-9]+', '-', '-'.join([cpu, *present]).lower()).strip('-')}.md"
     output.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"\nwritten to {output}")
