@@ -59,7 +59,8 @@ def main() -> None:
     parser.add_argument("--hard-cases-per-depth", default="8",
                         help="evalhard cases per (length, N x R, depth): 8 makes 160 cases (4 halves its time)")
     parser.add_argument("--hard-lengths", nargs="+", default=None,
-                        help="evalhard's context lengths (default: 2048 and --long-length)")
+                        help="evalhard's context lengths (default: 2048 and --long-length), one evaluation per length "
+                        "and model in evalhard-<length>-<model>")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                         help="training autocast and evaluation weights (auto: bfloat16 where the CPU has bf16 units; "
                         "the published results used bfloat16 on such a CPU)")
@@ -94,29 +95,33 @@ def main() -> None:
     # The hard one, decided before its results were seen: fresh cases (seed 2), the multi-needle settings at 2K and
     # 4K, 8 cases per cell and depth, for the trained models only (the untrained source scores 7% at 4K), so that a
     # paired test can tell a difference from chance.
-    stages = [("eval", ["--lengths", *args.lengths, "--cases-per-depth", args.cases_per_depth], models),
-              ("eval4k", ["--lengths", str(args.long_length), "--settings", "2x2", "4x2", "6x2", "--cases-per-depth",
-                          "4", "--perplexity-tokens", "0"], models),
-              ("evalhard", ["--lengths", *hard_lengths, "--settings", "4x2", "6x2", "--cases-per-depth",
-                            args.hard_cases_per_depth, "--seed", "2", "--perplexity-tokens", "0"], models[1:])]
-    stages = [stage for stage in stages if stage[0] in args.stages]
-    # Each stage's evaluations go to <stage>-<model>; evalhard at other lengths than the default gets its own folders.
-    folders = {"eval": "eval", "eval4k": "eval4k",
-               "evalhard": "evalhard" + ("" if args.hard_lengths is None else "-" + "-".join(hard_lengths))}
-    for prefix, flags, staged in stages:
-        pending = [m for m in staged if not (work / f"{folders[prefix]}-{m[2]}" / "retrieval.json").exists()]
+    stages = {"eval": [("eval", ["--lengths", *args.lengths, "--cases-per-depth", args.cases_per_depth], models)],
+              "eval4k": [("eval4k", ["--lengths", str(args.long_length), "--settings", "2x2", "4x2", "6x2",
+                                     "--cases-per-depth", "4", "--perplexity-tokens", "0"], models)],
+              # One run per length (the same cases as one run at all of them: cases are seeded per length), so that
+              # the lengths can be run, and resumed, one at a time; the report joins them.
+              "evalhard": [(f"evalhard-{length}", ["--lengths", length, "--settings", "4x2", "6x2", "--cases-per-depth",
+                                                   args.hard_cases_per_depth, "--seed", "2", "--perplexity-tokens",
+                                                   "0"], models[1:]) for length in hard_lengths]}
+    stages = {prefix: runs for prefix, runs in stages.items() if prefix in args.stages}
+    # Each evaluation goes to <folder>-<model> and is skipped when that folder holds a finished report.
+    for folder_prefix, flags, staged in [run for evaluations in stages.values() for run in evaluations]:
+        pending = [m for m in staged if not (work / f"{folder_prefix}-{m[2]}" / "retrieval.json").exists()]
         for start in range(0, len(pending), 2):  # one thread each on a 2-core machine
             batch = pending[start:start + 2]
             run_parallel([[*cli, "evaluate", model, "--names", name, "--output",
-                           str(work / f"{folders[prefix]}-{folder}"), "--dtype", args.dtype, "--threads", "1", *flags]
+                           str(work / f"{folder_prefix}-{folder}"), "--dtype", args.dtype, "--threads", "1", *flags]
                           for model, name, folder in batch],
-                         [work / f"{folders[prefix]}-{folder}.log" for _, _, folder in batch])
+                         [work / f"{folder_prefix}-{folder}.log" for _, _, folder in batch])
 
     from diff_llama.adaptation import plot_curves
-    from diff_llama.retrieval import markdown_report, merge_reports, plot_report
+    from diff_llama.retrieval import join_lengths, markdown_report, merge_reports, plot_report
 
-    reports = {prefix: merge_reports([json.loads((work / f"{folders[prefix]}-{folder}" / "retrieval.json").read_text())
-                                      for _, _, folder in staged]) for prefix, _, staged in stages}
+    reports = {prefix: join_lengths([merge_reports([json.loads((work / f"{folder_prefix}-{folder}" /
+                                                                 "retrieval.json").read_text())
+                                                     for _, _, folder in staged])
+                                      for folder_prefix, _, staged in evaluations])
+               for prefix, evaluations in stages.items()}
     histories = [json.loads((work / folder / "adapt.json").read_text()) for _, folder, _, _ in runs]
     output = Path(args.output)
     names = {"eval": "evaluation", "eval4k": "evaluation_long", "evalhard": "evaluation_hard"}

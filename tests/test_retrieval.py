@@ -15,12 +15,15 @@ from diff_llama.retrieval import (
     attention_allocation,
     effective_attention_maps,
     filler_sentences,
+    join_lengths,
     make_case,
+    markdown_report,
     merge_reports,
     needle_sentence,
     paired_comparison,
     run_case,
     score_output,
+    summarize,
 )
 
 CHAT_TEMPLATE = (
@@ -265,6 +268,19 @@ def test_evaluate_command_writes_json_table_and_plot(tmp_path, tokenizer, capsys
     other["options"]["seed"] = 1
     with pytest.raises(ValueError, match="seed"):
         merge_reports([report, other])
+    # Runs at separate lengths join into the run at both: the same cases, summaries and paired tests.
+    at = {n: dict(report, options=dict(report["options"], lengths=[n]),
+                  models=[dict(m, cases=[c for c in m["cases"] if c["length"] == n]) for m in report["models"]])
+          for n in (250, 350)}
+    joined = join_lengths([at[250], at[350]])
+    assert joined["options"]["lengths"] == [250, 350]
+    for m, original in zip(joined["models"], report["models"]):
+        assert m["cases"] == original["cases"] and m["summary"] == summarize(original["cases"])
+    assert "| llama | diff | all | " in markdown_report(joined)
+    with pytest.raises(ValueError, match="more than one report"):
+        join_lengths([at[250], at[250]])
+    with pytest.raises(ValueError, match="different models"):
+        join_lengths([at[250], dict(at[350], models=at[350]["models"][::-1])])
     # Options are validated.
     assert main(["evaluate", str(tmp_path / "llama"), "--output", str(out), "--settings", "2"]) == 2
 

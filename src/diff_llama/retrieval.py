@@ -667,6 +667,30 @@ def merge_reports(reports: list[dict]) -> dict:
     return {"options": first, "models": models}
 
 
+def join_lengths(reports: list[dict]) -> dict:
+    """One report from runs of the same models on the same cases at different context lengths (e.g. one run per
+    length, so that each can be scheduled on its own): lengths and cases concatenated, summaries recomputed, so that
+    the paired tests cover every length and all of them together."""
+    same = ("settings", "depths", "cases_per_depth", "seed", "max_new_tokens", "chat_template")
+    first = reports[0]
+    names = [m["name"] for m in first["models"]]
+    for report in reports[1:]:
+        different = [k for k in same if report["options"][k] != first["options"][k]]
+        if different:
+            raise ValueError(f"reports were run with different options: {', '.join(different)}")
+        if [m["name"] for m in report["models"]] != names:
+            raise ValueError(f"reports hold different models: {names} and {[m['name'] for m in report['models']]}")
+    lengths = [n for report in reports for n in report["options"]["lengths"]]
+    if len(set(lengths)) != len(lengths):
+        raise ValueError(f"a length appears in more than one report: {lengths}; join runs at different lengths")
+    models = []
+    for index, model in enumerate(first["models"]):
+        joined = dict(model, cases=[c for report in reports for c in report["models"][index]["cases"]])
+        joined["summary"] = summarize(joined["cases"])
+        models.append(joined)
+    return {"options": dict(first["options"], lengths=lengths), "models": models}
+
+
 def main(argv=None) -> int:
     """`diff-llama evaluate MODEL [MODEL ...] [options]`."""
     from transformers import HfArgumentParser
