@@ -279,6 +279,8 @@ def test_evaluate_command_writes_json_table_and_plot(tmp_path, tokenizer, capsys
     assert "| llama | diff | all | " in markdown_report(joined)
     with pytest.raises(ValueError, match="more than one report"):
         join_lengths([at[250], at[250]])
+    with pytest.raises(ValueError, match="seed"):
+        join_lengths([at[250], dict(at[350], options=dict(at[350]["options"], seed=1))])
     with pytest.raises(ValueError, match="different models"):
         join_lengths([at[250], dict(at[350], models=at[350]["models"][::-1])])
     # Options are validated.

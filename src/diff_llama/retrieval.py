@@ -652,15 +652,22 @@ def write_report(report: dict, output: str | Path) -> dict:
     return {"json": output / "retrieval.json", "markdown": output / "retrieval.md", "plot": output / "retrieval.png"}
 
 
-def merge_reports(reports: list[dict]) -> dict:
-    """One report with the models of several (e.g. one `diff-llama evaluate` run per model), which must have been
-    run on the same cases: the same lengths, settings, depths, counts, seed and chat-template choice."""
-    same = ("lengths", "settings", "depths", "cases_per_depth", "seed", "max_new_tokens", "chat_template")
+def _check_same_cases(reports: list[dict], with_lengths: bool) -> None:
+    """Raise ValueError unless the reports were run on the same cases (at the same lengths, if `with_lengths`)."""
+    same = ("settings", "depths", "cases_per_depth", "seed", "max_new_tokens", "chat_template")
+    same = ("lengths", *same) if with_lengths else same
     first = reports[0]["options"]
     for report in reports[1:]:
         different = [k for k in same if report["options"][k] != first[k]]
         if different:
             raise ValueError(f"reports were run with different options: {', '.join(different)}")
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """One report with the models of several (e.g. one `diff-llama evaluate` run per model), which must have been
+    run on the same cases: the same lengths, settings, depths, counts, seed and chat-template choice."""
+    _check_same_cases(reports, with_lengths=True)
+    first = reports[0]["options"]
     models = [dict(m) for report in reports for m in report["models"]]
     for model in models:  # summaries recomputed from the cases, so that reports of older versions merge too
         model["summary"] = summarize(model["cases"])
@@ -671,13 +678,10 @@ def join_lengths(reports: list[dict]) -> dict:
     """One report from runs of the same models on the same cases at different context lengths (e.g. one run per
     length, so that each can be scheduled on its own): lengths and cases concatenated, summaries recomputed, so that
     the paired tests cover every length and all of them together."""
-    same = ("settings", "depths", "cases_per_depth", "seed", "max_new_tokens", "chat_template")
+    _check_same_cases(reports, with_lengths=False)
     first = reports[0]
     names = [m["name"] for m in first["models"]]
     for report in reports[1:]:
-        different = [k for k in same if report["options"][k] != first["options"][k]]
-        if different:
-            raise ValueError(f"reports were run with different options: {', '.join(different)}")
         if [m["name"] for m in report["models"]] != names:
             raise ValueError(f"reports hold different models: {names} and {[m['name'] for m in report['models']]}")
     lengths = [n for report in reports for n in report["options"]["lengths"]]
