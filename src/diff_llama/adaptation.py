@@ -34,6 +34,7 @@ import json
 import random
 import re
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -339,13 +340,21 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
         entry["cpu_minutes"] = cpu_seconds / 60
         history["steps"].append(entry)
         progress.set_postfix(answer_loss=f"{entry['answer_loss']:.3f}", cpu_min=f"{cpu_seconds / 60:.1f}")
-        done = step + 1 == options.max_steps or cpu_seconds / 60 >= options.max_cpu_minutes
+        out_of_budget = step + 1 < options.max_steps and cpu_seconds / 60 >= options.max_cpu_minutes
+        done = step + 1 == options.max_steps or out_of_budget
         if done or (options.eval_every and (step + 1) % options.eval_every == 0):
             record_probe(step + 1)
         if done:
             break
     model.eval()
     history["cpu_minutes"] = cpu_seconds / 60
+    history["stopped_by_budget"] = out_of_budget
+    if out_of_budget:  # the schedule decays to 0 at max_steps: stopped early, training ended at a high rate
+        warnings.warn(
+            f"{name}: the CPU budget ({options.max_cpu_minutes:g} minutes) ran out after {len(history['steps'])} of "
+            f"{options.max_steps} steps, with the learning rate still at {factor:.0%} of its peak (it decays to 0 at "
+            f"max_steps). For a complete schedule, set max_steps to what fits the budget, about "
+            f"{len(history['steps'])} here.", stacklevel=2)
     if output is not None:
         write_history(history, output)
     return history
