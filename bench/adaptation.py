@@ -50,6 +50,8 @@ def main() -> None:
                         help="adapt's --long-length: a share of the examples up to this many tokens (0: none)")
     parser.add_argument("--train-long-fraction", default="0.25", help="share of the examples longer than --max-length")
     parser.add_argument("--max-cpu-minutes", default="60", help="training budget per model (CPU-minutes)")
+    parser.add_argument("--warmup-steps", default="20", help="adapt's linear warm-up steps (then linear decay to 0)")
+    parser.add_argument("--text-every", default="2", help="adapt's language-modelling block every this many steps")
     parser.add_argument("--differential-learning-rates", nargs="+", default=["1e-3"],
                         help="one V2 run per rate of its λ projection and second heads (all runs in parallel)")
     parser.add_argument("--lengths", nargs="+", default=["1024", "2048"], help="evaluation context lengths")
@@ -85,7 +87,8 @@ def main() -> None:
               "--eval-every", str(args.eval_every), "--max-length", str(args.max_length), "--threads", "1",
               "--long-length", str(args.train_long_length), "--long-fraction", args.train_long_fraction,
               "--autocast", args.dtype,  # float32 means no autocast
-              "--max-cpu-minutes", args.max_cpu_minutes, *extra]
+              "--max-cpu-minutes", args.max_cpu_minutes, "--warmup-steps", args.warmup_steps,
+              "--text-every", args.text_every, *extra]
              for source, folder, name, extra in runs],
             [work / f"{folder}.log" for _, folder, _, _ in runs],
         )
