@@ -125,7 +125,7 @@ def test_adapt_says_when_the_cpu_budget_cuts_its_schedule_short(tmp_path, chat_t
     model = tiny_model(vocab_size=len(chat_tokenizer), max_position_embeddings=1024)
     options = AdaptationOptions(max_steps=5, max_cpu_minutes=1e-9, eval_every=0, autocast="none",
                                 **{**SMALL, "warmup_steps": 5})
-    with pytest.warns(UserWarning, match="ran out after 1 of 5 steps, with the learning rate still at 20%"):
+    with pytest.warns(UserWarning, match="ran out after 1 of 5 steps, with the learning rate at 20%"):
         history = adapt(model, chat_tokenizer, options, name="tiny")
     assert history["stopped_by_budget"] and len(history["steps"]) == 1
     assert [p["step"] for p in history["probes"]] == [0, 1]

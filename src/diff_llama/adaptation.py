@@ -352,7 +352,7 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
     if out_of_budget:  # the schedule decays to 0 at max_steps: stopped early, training ended at a high rate
         warnings.warn(
             f"{name}: the CPU budget ({options.max_cpu_minutes:g} minutes) ran out after {len(history['steps'])} of "
-            f"{options.max_steps} steps, with the learning rate still at {factor:.0%} of its peak (it decays to 0 at "
+            f"{options.max_steps} steps, with the learning rate at {factor:.0%} of its peak (it decays to 0 at "
             f"max_steps). For a complete schedule, set max_steps to what fits the budget, about "
             f"{len(history['steps'])} here.", stacklevel=2)
     if output is not None:
