@@ -457,8 +457,9 @@ def main(argv=None) -> int:
         for path in partial.iterdir():
             path.replace(output / path.name)
         partial.rmdir()
-    last = history["probes"][-1]
-    print(f"{name}: {len(history['steps'])} steps in {history['cpu_minutes']:.1f} CPU-minutes; probe accuracy "
+    last, steps = history["probes"][-1], len(history["steps"])
+    print(f"{name}: {steps} step{'' if steps == 1 else 's'} in {history['cpu_minutes']:.1f} CPU-minutes; "
+          f"probe accuracy "
           f"{history['probes'][0]['accuracy']:.0%} -> {last['accuracy']:.0%}, perplexity "
           f"{history['probes'][0]['perplexity']:.2f} -> {last['perplexity']:.2f}")
     print(f"Wrote {output}")
