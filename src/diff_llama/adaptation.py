@@ -350,11 +350,12 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
     history["cpu_minutes"] = cpu_seconds / 60
     history["stopped_by_budget"] = out_of_budget
     if out_of_budget:  # the schedule decays to 0 at max_steps: stopped early, training ended at a high rate
+        steps = len(history["steps"])
         warnings.warn(
-            f"{name}: the CPU budget ({options.max_cpu_minutes:g} minutes) ran out after {len(history['steps'])} of "
+            f"{name}: the CPU budget ({options.max_cpu_minutes:g} minutes) ran out after {steps} of "
             f"{options.max_steps} steps, with the learning rate at {factor:.0%} of its peak (it decays to 0 at "
-            f"max_steps). For a complete schedule, set max_steps to what fits the budget, about "
-            f"{len(history['steps'])} here.", stacklevel=2)
+            f"max_steps). For a complete schedule, set max_steps to what fits the budget, about {steps} here.",
+            stacklevel=2)
     if output is not None:
         write_history(history, output)
     return history
@@ -457,10 +458,9 @@ def main(argv=None) -> int:
         for path in partial.iterdir():
             path.replace(output / path.name)
         partial.rmdir()
-    last, steps = history["probes"][-1], len(history["steps"])
-    print(f"{name}: {steps} step{'' if steps == 1 else 's'} in {history['cpu_minutes']:.1f} CPU-minutes; "
-          f"probe accuracy "
-          f"{history['probes'][0]['accuracy']:.0%} -> {last['accuracy']:.0%}, perplexity "
-          f"{history['probes'][0]['perplexity']:.2f} -> {last['perplexity']:.2f}")
+    first, last, steps = history["probes"][0], history["probes"][-1], len(history["steps"])
+    print(f"{name}: {steps} step{'' if steps == 1 else 's'} in {history['cpu_minutes']:.1f} CPU-minutes; probe "
+          f"accuracy {first['accuracy']:.0%} -> {last['accuracy']:.0%}, perplexity {first['perplexity']:.2f} -> "
+          f"{last['perplexity']:.2f}")
     print(f"Wrote {output}")
     return 0
