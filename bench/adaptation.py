@@ -39,6 +39,19 @@ def run_parallel(commands: list[list[str]], logs: list[Path]) -> None:
         sys.exit(f"failed (see the logs): {failed}")
 
 
+def check_reused(options: dict, args, folder: str) -> None:
+    """Exit naming the difference when a finished run in --work was trained with another shared schedule."""
+    wanted = {"max_steps": args.steps, "max_length": args.max_length, "long_length": args.train_long_length,
+              "long_fraction": float(args.train_long_fraction), "max_cpu_minutes": float(args.max_cpu_minutes),
+              "warmup_steps": int(args.warmup_steps), "text_every": int(args.text_every), "autocast": args.dtype,
+              "eval_every": args.eval_every}
+    differ = {key: (options[key], value) for key, value in wanted.items() if options[key] != value}
+    if differ:
+        found = ", ".join(f"{key} {old}, not {new}" for key, (old, new) in differ.items())
+        raise SystemExit(f"{folder} in --work was trained with other options ({found}): pass the same options, "
+                         "or another --work")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -54,6 +67,9 @@ def main() -> None:
     parser.add_argument("--text-every", default="2", help="adapt's language-modelling block every this many steps")
     parser.add_argument("--differential-learning-rates", nargs="+", default=["1e-3"],
                         help="one V2 run per rate of its λ projection and second heads (all runs in parallel)")
+    parser.add_argument("--differential-warmup-steps", nargs="+", default=None,
+                        help="one V2 run per warm-up of its λ projection and second heads (per rate; default: "
+                        "--warmup-steps)")
     parser.add_argument("--lengths", nargs="+", default=["1024", "2048"], help="evaluation context lengths")
     parser.add_argument("--cases-per-depth", default="2", help="evaluation cases per (length, N x R, depth)")
     parser.add_argument("--long-length", type=int, default=4096,
@@ -77,11 +93,21 @@ def main() -> None:
     cli = [sys.executable, "-m", "diff_llama.cli"]
     converted = work / "smollm2-v2"
     runs = [("smollm2", "llama", "SmolLM2-135M-Instruct", [])]
-    runs += [(str(converted), f"v2-{rate}", f"DiffLlama-V2 (differential lr {rate})",
-              ["--differential-learning-rate", rate]) for rate in args.differential_learning_rates]
+    for rate in args.differential_learning_rates:
+        for warmup in args.differential_warmup_steps or [None]:
+            runs.append((str(converted), f"v2-{rate}" + (f"-warmup{warmup}" if warmup else ""),
+                         f"DiffLlama-V2 (differential lr {rate}" + (f", warm-up {warmup})" if warmup else ")"),
+                         ["--differential-learning-rate", rate]
+                         + (["--differential-warmup-steps", warmup] if warmup else [])))
     if not args.skip_training:
         if not (converted / "config.json").exists():
             subprocess.run([*cli, "convert", "smollm2", str(converted), "--diff-version", "2"], check=True)
+        # A run whose folder holds a finished training is reused (to resume, or to compare new V2 runs with a source
+        # already trained), provided it was trained with this schedule.
+        finished = [run for run in runs if (work / run[1] / "adapt.json").exists()]
+        for _, folder, _, _ in finished:
+            check_reused(json.loads((work / folder / "adapt.json").read_text())["options"], args, folder)
+        runs_to_train = [run for run in runs if run not in finished]
         run_parallel(
             [[*cli, "adapt", source, str(work / folder), "--name", name, "--max-steps", str(args.steps),
               "--eval-every", str(args.eval_every), "--max-length", str(args.max_length), "--threads", "1",
@@ -89,8 +115,8 @@ def main() -> None:
               "--autocast", args.dtype,  # float32 means no autocast
               "--max-cpu-minutes", args.max_cpu_minutes, "--warmup-steps", args.warmup_steps,
               "--text-every", args.text_every, *extra]
-             for source, folder, name, extra in runs],
-            [work / f"{folder}.log" for _, folder, _, _ in runs],
+             for source, folder, name, extra in runs_to_train],
+            [work / f"{folder}.log" for _, folder, _, _ in runs_to_train],
         )
     models = [("smollm2", "SmolLM2-135M-Instruct (before training)", "source")]
     models += [(str(work / folder), f"{name}, adapted", folder) for _, folder, name, _ in runs]

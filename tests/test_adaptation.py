@@ -14,6 +14,8 @@ from diff_llama.adaptation import (
     SecondHeadRate,
     adapt,
     answer_loss,
+    check_options,
+    differential_factor,
     learning_rate_factor,
     main,
     pair_divergence,
@@ -99,6 +101,48 @@ def test_learning_rate_warms_up_then_decays_to_zero():
     assert factors[:2] == [0.5, 1.0]
     assert all(a >= b for a, b in zip(factors[1:], factors[2:])) and factors[-1] == 1 / 8
     assert learning_rate_factor(10, options) == 0.0
+
+
+def test_differential_parameters_can_warm_up_on_their_own_schedule():
+    options = AdaptationOptions(max_steps=10, warmup_steps=2, differential_warmup_steps=5)
+    assert [differential_factor(step, options) for step in range(10)] == [0.2, 0.4, 0.6, 0.8, 1.0, 1.0, 0.8, 0.6,
+                                                                         0.4, 0.2]
+    assert learning_rate_factor(0, options) == 0.5  # the shared schedule is unchanged
+    shared = AdaptationOptions(max_steps=10, warmup_steps=2)
+    assert [differential_factor(s, shared) for s in range(10)] == [learning_rate_factor(s, shared) for s in range(10)]
+    with pytest.raises(ValueError, match="differential_warmup_steps must be between 0 and max_steps"):
+        check_options(AdaptationOptions(max_steps=10, differential_warmup_steps=11))
+
+
+def test_a_differential_warm_up_sets_the_rate_of_each_step(chat_tokenizer, monkeypatch):
+    """Step by step, the λ projection's group and the second heads' factor follow the differential schedule."""
+    import diff_llama.adaptation as adaptation
+    import diff_llama.training as training
+
+    seen, rates, optimizers = [], [], []
+    real_after, real_optimizer_for = SecondHeadRate.after_step, training.optimizer_for
+
+    def after_step(self):
+        seen.append(self.factor)
+        rates.append([group["lr"] for group in optimizers[0].param_groups])
+        real_after(self)
+
+    monkeypatch.setattr(SecondHeadRate, "after_step", after_step)
+    monkeypatch.setattr(training, "optimizer_for", lambda *a, **k: optimizers.append(real_optimizer_for(*a, **k))
+                        or optimizers[-1])
+    monkeypatch.setattr(adaptation, "probe", lambda *args, **kwargs: {})
+    model = tiny_model(vocab_size=len(chat_tokenizer), max_position_embeddings=1024, diff_version=2)
+    options = AdaptationOptions(max_steps=4, eval_every=0, autocast="none", save=False,
+                                **{**SMALL, "warmup_steps": 1, "differential_warmup_steps": 4})
+    adapt(model, chat_tokenizer, options, name="tiny")
+    ratio = options.differential_learning_rate / options.learning_rate
+    expected = [ratio * differential_factor(s, options) / learning_rate_factor(s, options) for s in range(4)]
+    assert seen == pytest.approx(expected) and seen[0] == pytest.approx(ratio * 0.25)
+    # groups: the shared parameters, then the λ projections (no λ vectors in version 2)
+    assert [r[0] for r in rates] == pytest.approx([options.learning_rate * learning_rate_factor(s, options)
+                                                   for s in range(4)])
+    assert [r[-1] for r in rates] == pytest.approx([options.differential_learning_rate * differential_factor(s, options)
+                                                    for s in range(4)])
 
 
 def test_adapt_trains_every_part_of_a_diff_v2_model_and_writes_curves(tmp_path, chat_tokenizer):

@@ -16,7 +16,8 @@ causal LM, so a converted model and its source LLaMA can be trained identically 
   autocast where the CPU has bf16 units (2.3x faster than float32 there; emulated, a step took 16x longer:
   `precision`).
 - What a DIFF V2 conversion adds to its source, its λ projection and the second (negative) query head of each pair,
-  trains at `differential_learning_rate`; everything the two models share trains at `learning_rate`. A lossless
+  trains at `differential_learning_rate` (warmed up over `differential_warmup_steps` if set); everything the two
+  models share trains at `learning_rate`. A lossless
   conversion starts with both heads of a pair equal and λ = 0.5: at the base rate they part by 0.25% in 150 steps
   and the model stays its source. The source has no such parameters, so the comparison stays like for like.
 
@@ -58,6 +59,8 @@ class AdaptationOptions:
         "help": "DIFF V2: learning rate (peak) of the λ projection and of each pair's second query head, what the "
         "conversion adds to the source"})
     warmup_steps: int = field(default=20, metadata={"help": "linear warm-up steps, then linear decay to 0"})
+    differential_warmup_steps: int | None = field(default=None, metadata={
+        "help": "DIFF V2: warm-up steps of the λ projection and the second query heads alone (default: warmup_steps)"})
     min_length: int = field(default=384, metadata={"help": "shortest retrieval example, in tokens"})
     max_length: int = field(default=2048, metadata={"help": "longest retrieval example, in tokens"})
     long_length: int = field(default=0, metadata={
@@ -228,11 +231,17 @@ def pair_divergence(model) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def learning_rate_factor(step: int, options: AdaptationOptions) -> float:
-    """Linear warm-up over `warmup_steps`, then linear decay to 0 at `max_steps`."""
-    if step < options.warmup_steps:
-        return (step + 1) / options.warmup_steps
-    return max(0.0, (options.max_steps - step) / max(1, options.max_steps - options.warmup_steps))
+def learning_rate_factor(step: int, options: AdaptationOptions, warmup_steps: int | None = None) -> float:
+    """Linear warm-up over `warmup_steps` (default: `options.warmup_steps`), then linear decay to 0 at `max_steps`."""
+    warmup = options.warmup_steps if warmup_steps is None else warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    return max(0.0, (options.max_steps - step) / max(1, options.max_steps - warmup))
+
+
+def differential_factor(step: int, options: AdaptationOptions) -> float:
+    """The schedule of what a DIFF V2 conversion adds: its own warm-up, the same decay to 0 at `max_steps`."""
+    return learning_rate_factor(step, options, options.differential_warmup_steps)
 
 
 def probe_options(options: AdaptationOptions) -> RetrievalArguments:
@@ -276,6 +285,9 @@ def check_options(options: AdaptationOptions) -> None:
         raise ValueError(f"long examples need long_length > max_length and 0 < long_fraction <= 1 (got long_length "
                          f"{options.long_length}, max_length {options.max_length}, long_fraction "
                          f"{options.long_fraction}); set long_length 0 to train without them")
+    if options.differential_warmup_steps is not None and not 0 <= options.differential_warmup_steps <= options.max_steps:
+        raise ValueError(f"differential_warmup_steps must be between 0 and max_steps ({options.max_steps}), got "
+                         f"{options.differential_warmup_steps}; leave it unset to share warmup_steps")
     if options.learning_rate <= 0 or options.differential_learning_rate < 0:
         raise ValueError(f"need learning_rate > 0 and differential_learning_rate >= 0 (got {options.learning_rate} "
                          f"and {options.differential_learning_rate}); the second heads' rate is a multiple of the first")
@@ -300,8 +312,9 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
     extra_groups = [{"params": differential, "lr": options.differential_learning_rate, "weight_decay": 0.0}]
     optimizer = optimizer_for(model, options.learning_rate, options.lambda_learning_rate,
                               extra_groups=extra_groups if differential else [])
-    second_heads = SecondHeadRate(model, options.differential_learning_rate / options.learning_rate)
+    second_heads = SecondHeadRate(model, 1.0)
     base_rates = [group["lr"] for group in optimizer.param_groups]
+    is_differential = [any(p is q for p in group["params"] for q in differential) for group in optimizer.param_groups]
     # The dtype `auto` became on this machine, next to the options as given.
     history = {"name": name, "options": asdict(options),
                "autocast_dtype": str(_autocast_dtype(options) or torch.float32), "steps": [], "probes": []}
@@ -318,9 +331,11 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
     progress = tqdm(range(options.max_steps), desc=f"adapt {name}")
     for step in progress:
         started = time.process_time()
-        factor = learning_rate_factor(step, options)
-        for group, rate in zip(optimizer.param_groups, base_rates):
-            group["lr"] = rate * factor
+        factor, own_factor = learning_rate_factor(step, options), differential_factor(step, options)
+        for group, rate, own in zip(optimizer.param_groups, base_rates, is_differential):
+            group["lr"] = rate * (own_factor if own else factor)
+        # the second heads share q_proj with the first: their update is the shared one, rescaled to their own rate
+        second_heads.factor = options.differential_learning_rate * own_factor / (options.learning_rate * factor)
         input_ids, answer_tokens = examples.next()
         with _autocast(options):
             loss = answer_loss(model, input_ids, answer_tokens)
