@@ -17,9 +17,9 @@ causal LM, so a converted model and its source LLaMA can be trained identically 
   `precision`).
 - What a DIFF V2 conversion adds to its source, its λ projection and the second (negative) query head of each pair,
   trains at `differential_learning_rate` (warmed up over `differential_warmup_steps` if set); everything the two
-  models share trains at `learning_rate`. A lossless
-  conversion starts with both heads of a pair equal and λ = 0.5: at the base rate they part by 0.25% in 150 steps
-  and the model stays its source. The source has no such parameters, so the comparison stays like for like.
+  models share trains at `learning_rate`. A lossless conversion starts with both heads of a pair equal and λ = 0.5:
+  at the base rate they part by 0.25% in 150 steps and the model stays its source. The source has no such
+  parameters, so the comparison stays like for like.
 
 The training budget is counted in CPU seconds of the training steps alone (evaluations excluded), so models trained
 side by side on a shared machine get comparable figures. Every `eval_every` steps a small held-out probe (evaluation
@@ -285,9 +285,10 @@ def check_options(options: AdaptationOptions) -> None:
         raise ValueError(f"long examples need long_length > max_length and 0 < long_fraction <= 1 (got long_length "
                          f"{options.long_length}, max_length {options.max_length}, long_fraction "
                          f"{options.long_fraction}); set long_length 0 to train without them")
-    if options.differential_warmup_steps is not None and not 0 <= options.differential_warmup_steps <= options.max_steps:
+    own_warmup = options.differential_warmup_steps
+    if own_warmup is not None and not 0 <= own_warmup <= options.max_steps:
         raise ValueError(f"differential_warmup_steps must be between 0 and max_steps ({options.max_steps}), got "
-                         f"{options.differential_warmup_steps}; leave it unset to share warmup_steps")
+                         f"{own_warmup}; leave it unset to share warmup_steps")
     if options.learning_rate <= 0 or options.differential_learning_rate < 0:
         raise ValueError(f"need learning_rate > 0 and differential_learning_rate >= 0 (got {options.learning_rate} "
                          f"and {options.differential_learning_rate}); the second heads' rate is a multiple of the first")
@@ -335,7 +336,7 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
         for group, rate, own in zip(optimizer.param_groups, base_rates, is_differential):
             group["lr"] = rate * (own_factor if own else factor)
         # the second heads share q_proj with the first: their update is the shared one, rescaled to their own rate
-        second_heads.factor = options.differential_learning_rate * own_factor / (options.learning_rate * factor)
+        second_heads.factor = options.differential_learning_rate / options.learning_rate * (own_factor / factor)
         input_ids, answer_tokens = examples.next()
         with _autocast(options):
             loss = answer_loss(model, input_ids, answer_tokens)
