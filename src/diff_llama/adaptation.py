@@ -310,12 +310,13 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
         reference = copy.deepcopy(model).eval().requires_grad_(False)
     model.train()
     differential = differential_parameters(model)
-    extra_groups = [{"params": differential, "lr": options.differential_learning_rate, "weight_decay": 0.0}]
+    # torch keeps extra keys in a param group: "differential" marks the group on the differential schedule
+    extra_groups = [{"params": differential, "lr": options.differential_learning_rate, "weight_decay": 0.0,
+                     "differential": True}]
     optimizer = optimizer_for(model, options.learning_rate, options.lambda_learning_rate,
                               extra_groups=extra_groups if differential else [])
     second_heads = SecondHeadRate(model, 1.0)
     base_rates = [group["lr"] for group in optimizer.param_groups]
-    is_differential = [any(p is q for p in group["params"] for q in differential) for group in optimizer.param_groups]
     # The dtype `auto` became on this machine, next to the options as given.
     history = {"name": name, "options": asdict(options),
                "autocast_dtype": str(_autocast_dtype(options) or torch.float32), "steps": [], "probes": []}
@@ -333,8 +334,8 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
     for step in progress:
         started = time.process_time()
         factor, own_factor = learning_rate_factor(step, options), differential_factor(step, options)
-        for group, rate, own in zip(optimizer.param_groups, base_rates, is_differential):
-            group["lr"] = rate * (own_factor if own else factor)
+        for group, rate in zip(optimizer.param_groups, base_rates):
+            group["lr"] = rate * (own_factor if group.get("differential") else factor)
         # the second heads share q_proj with the first: their update is the shared one, rescaled to their own rate
         second_heads.factor = options.differential_learning_rate / options.learning_rate * (own_factor / factor)
         input_ids, answer_tokens = examples.next()
