@@ -12,7 +12,9 @@ the curves:
     python bench/adaptation.py                       # convert (if needed), train, evaluate, write the results
     python bench/adaptation.py --skip-training       # evaluate and report models already trained into --work
 
-Each V2 run of about 270 steps at 2K tokens peaks near 9 GB of memory: three training processes do not fit in 24 GB.
+Jobs run two at a time, one thread each (a 2-core machine), and each model's evaluations start as soon as its own
+training has finished. Each V2 run of about 270 steps at 2K tokens peaks near 9 GB of memory: three training processes
+would not fit in 24 GB.
 
 Results: bench/results/adaptation.md, .json (every case and every probe) and .png (curves against CPU-minutes).
 """
@@ -21,22 +23,45 @@ import argparse
 import json
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
 
-def run_parallel(commands: list[list[str]], logs: list[Path]) -> None:
-    """Run the commands at the same time (one thread each); fail if any fails."""
-    processes = []
-    for command, log in zip(commands, logs):
-        log.parent.mkdir(parents=True, exist_ok=True)
-        print("$", " ".join(command), f"> {log}", flush=True)
-        processes.append(subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT))
-    failed = [" ".join(c) for c, p in zip(commands, processes) if p.wait() != 0]
-    if failed:
-        sys.exit(f"failed (see the logs): {failed}")
+@dataclass
+class Job:
+    command: list[str]
+    log: Path
+    after: Path | None = None  # the log of the job that must finish first (a model's training, for its evaluations)
+
+
+def run_jobs(jobs: list[Job], slots: int = 2, poll_seconds: float = 5.0) -> None:
+    """Run the jobs, at most `slots` at a time and in list order, each as soon as the job it waits for has finished.
+    A failed job's dependants are skipped, the others still run; then exit naming every failure."""
+    waiting, running, finished, failed = list(jobs), {}, set(), {}
+    while waiting or running:
+        for job in [j for j in waiting if j.after is None or j.after in finished][:slots - len(running)]:
+            waiting.remove(job)
+            job.log.parent.mkdir(parents=True, exist_ok=True)
+            print("$", " ".join(job.command), f"> {job.log}", flush=True)
+            running[job.log] = subprocess.Popen(job.command, stdout=job.log.open("w"), stderr=subprocess.STDOUT)
+        if not running:  # what is left waits on a failed job
+            break
+        time.sleep(poll_seconds)
+        for log, process in list(running.items()):
+            if process.poll() is not None:
+                del running[log]
+                if process.returncode == 0:
+                    finished.add(log)
+                else:
+                    failed[log] = process.args
+    if failed or waiting:
+        skipped = [str(job.log) for job in waiting]
+        sys.exit(f"failed (see the logs): {[' '.join(c) for c in failed.values()]}"
+                 + (f"; not run, as they wait on a failed job: {skipped}" if skipped else ""))
 
 
 def check_reused(options: dict, args, folder: str) -> None:
@@ -66,7 +91,7 @@ def main() -> None:
     parser.add_argument("--warmup-steps", default="20", help="adapt's linear warm-up steps (then linear decay to 0)")
     parser.add_argument("--text-every", default="2", help="adapt's language-modelling block every this many steps")
     parser.add_argument("--differential-learning-rates", nargs="+", default=["1e-3"],
-                        help="one V2 run per rate of its λ projection and second heads (all runs in parallel)")
+                        help="one V2 run per rate of its λ projection and second heads (two jobs at a time)")
     parser.add_argument("--differential-warmup-steps", nargs="+", default=None,
                         help="one V2 run per warm-up of its λ projection and second heads (per rate; default: "
                         "--warmup-steps)")
@@ -108,16 +133,16 @@ def main() -> None:
         for _, folder, _, _ in finished:
             check_reused(json.loads((work / folder / "adapt.json").read_text())["options"], args, folder)
         runs_to_train = [run for run in runs if run not in finished]
-        run_parallel(
-            [[*cli, "adapt", source, str(work / folder), "--name", name, "--max-steps", str(args.steps),
-              "--eval-every", str(args.eval_every), "--max-length", str(args.max_length), "--threads", "1",
-              "--long-length", str(args.train_long_length), "--long-fraction", args.train_long_fraction,
-              "--autocast", args.dtype,  # float32 means no autocast
-              "--max-cpu-minutes", args.max_cpu_minutes, "--warmup-steps", args.warmup_steps,
-              "--text-every", args.text_every, *extra]
-             for source, folder, name, extra in runs_to_train],
-            [work / f"{folder}.log" for _, folder, _, _ in runs_to_train],
-        )
+        jobs = [Job([*cli, "adapt", source, str(work / folder), "--name", name, "--max-steps", str(args.steps),
+                     "--eval-every", str(args.eval_every), "--max-length", str(args.max_length), "--threads", "1",
+                     "--long-length", str(args.train_long_length), "--long-fraction", args.train_long_fraction,
+                     "--autocast", args.dtype,  # float32 means no autocast
+                     "--max-cpu-minutes", args.max_cpu_minutes, "--warmup-steps", args.warmup_steps,
+                     "--text-every", args.text_every, *extra], work / f"{folder}.log")
+                for source, folder, name, extra in runs_to_train]
+    else:
+        jobs, runs_to_train = [], []
+    trained_now = {folder: work / f"{folder}.log" for _, folder, _, _ in runs_to_train}
     models = [("smollm2", "SmolLM2-135M-Instruct (before training)", "source")]
     models += [(str(work / folder), f"{name}, adapted", folder) for _, folder, name, _ in runs]
     # The main evaluation (1K/2K, every setting, perplexity), then the long one: 4K tokens, the multi-needle settings.
@@ -133,15 +158,15 @@ def main() -> None:
                                                    args.hard_cases_per_depth, "--seed", "2", "--perplexity-tokens",
                                                    "0"], models[1:]) for length in hard_lengths]}
     stages = {prefix: runs for prefix, runs in stages.items() if prefix in args.stages}
-    # Each evaluation goes to <folder>-<model> and is skipped when that folder holds a finished report.
+    # Each evaluation goes to <folder>-<model>, is skipped when that folder holds a finished report, and starts once
+    # its model's training (if it trains in this run) has finished.
     for folder_prefix, flags, staged in [run for evaluations in stages.values() for run in evaluations]:
-        pending = [m for m in staged if not (work / f"{folder_prefix}-{m[2]}" / "retrieval.json").exists()]
-        for start in range(0, len(pending), 2):  # one thread each on a 2-core machine
-            batch = pending[start:start + 2]
-            run_parallel([[*cli, "evaluate", model, "--names", name, "--output",
-                           str(work / f"{folder_prefix}-{folder}"), "--dtype", args.dtype, "--threads", "1", *flags]
-                          for model, name, folder in batch],
-                         [work / f"{folder_prefix}-{folder}.log" for _, _, folder in batch])
+        jobs += [Job([*cli, "evaluate", model, "--names", name, "--output", str(work / f"{folder_prefix}-{folder}"),
+                      "--dtype", args.dtype, "--threads", "1", *flags],
+                     work / f"{folder_prefix}-{folder}.log", after=trained_now.get(folder))
+                 for model, name, folder in staged
+                 if not (work / f"{folder_prefix}-{folder}" / "retrieval.json").exists()]
+    run_jobs(jobs)
 
     from diff_llama.adaptation import plot_curves
     from diff_llama.retrieval import join_lengths, markdown_report, merge_reports, plot_report
