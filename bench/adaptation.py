@@ -47,7 +47,8 @@ def run_jobs(jobs: list[Job], slots: int = 2, poll_seconds: float = 5.0) -> None
             waiting.remove(job)
             job.log.parent.mkdir(parents=True, exist_ok=True)
             print("$", " ".join(job.command), f"> {job.log}", flush=True)
-            running[job.log] = subprocess.Popen(job.command, stdout=job.log.open("w"), stderr=subprocess.STDOUT)
+            with job.log.open("w") as log:  # the child keeps its own copy of the handle
+                running[job.log] = subprocess.Popen(job.command, stdout=log, stderr=subprocess.STDOUT)
         if not running:  # what is left waits on a failed job
             break
         time.sleep(poll_seconds)
