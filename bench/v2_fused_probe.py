@@ -20,9 +20,7 @@ Writes bench/results/v2_fused_probe[-NAME].md with --write.
 """
 
 import argparse
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +29,7 @@ from types import SimpleNamespace
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from attention_core import _cpu_name  # bench/, next to this file
 from diff_llama.modeling_diff_llama import (
     _block_buffer,
     _block_masking,
@@ -215,14 +214,6 @@ def time_core(length, args) -> dict:
     return {name: (statistics.median(values), min(values), max(values)) for name, values in samples.items()}
 
 
-def _cpu_name() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096])
@@ -235,6 +226,9 @@ def main():
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--name", default="", help="suffix of the results file")
     args = parser.parse_args()
+    if args.heads % args.kv_heads or (args.heads // args.kv_heads) % 2:
+        parser.error(f"--heads {args.heads} on --kv-heads {args.kv_heads}: each key/value head must serve whole pairs, "
+                     "so heads / kv-heads must be an even whole number (SmolLM2's V2: 18 on 3)")
     torch.set_num_threads(args.threads)
 
     error = check_against_reference()
