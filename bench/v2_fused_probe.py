@@ -39,6 +39,26 @@ from diff_llama.modeling_diff_llama import (
 )
 
 
+def _score_blocks(query, rows_query, key, block_size):
+    """Each block of query tokens in turn: (start, stop, causal scores, rows, columns), the scores written into one
+    buffer per call and masked in place (no padding)."""
+    group, length = query.shape[1] // key.shape[1], query.shape[2]
+    masking = _block_masking(None, block_size, query.device)
+    buffer = _score_buffer(query, key, block_size, group, query.dtype)
+    for start in range(0, length, block_size):
+        stop = min(start + block_size, length)
+        yield (start, stop, *_block_scores(rows_query, key, None, masking, start, stop, 0, True, group, buffer))
+
+
+def _pair_difference(maps, lam, buffer):
+    """A1 − λ·A2 of every pair, (batch, G, tokens·P, columns), from the block's maps (batch, G, tokens, P, 2, columns)
+    and λ (batch, G, tokens, P, 1), into a flat buffer allocated once per call."""
+    batch, kv_heads, tokens, pairs, _, columns = maps.shape
+    differential = _block_buffer(buffer, batch, kv_heads, tokens, pairs, columns)
+    torch.addcmul(maps[..., 0, :], maps[..., 1, :], lam, value=-1, out=differential)
+    return differential.view(batch, kv_heads, -1, columns)
+
+
 class FusedPairAttention(torch.autograd.Function):
     """Causal DIFF V2 core, no padding: query (batch, H, T, d), key/value (batch, G, T, d), λ (batch, T, H/2) ->
     (batch, T, H/2, d), pair i = query heads 2i and 2i + 1 (both read key/value head 2i // (H/G))."""
@@ -55,20 +75,14 @@ class FusedPairAttention(torch.autograd.Function):
         output = query.new_empty(batch, kv_heads, length * pairs, head_dim)
         row_max = query.new_empty(batch, kv_heads, length * group, 1)
         row_sum = torch.empty_like(row_max)
-        masking = _block_masking(None, block_size, query.device)
-        buffer = _score_buffer(query, key, block_size, group, query.dtype)
-        differential_buffer = buffer.new_empty(buffer.numel() // 2)
-        for start in range(0, length, block_size):
-            stop = min(start + block_size, length)
-            scores, rows, columns = _block_scores(rows_query, key, None, masking, start, stop, 0, True, group, buffer)
+        differential_buffer = query.new_empty(batch * kv_heads * min(block_size, length) * pairs * length)
+        for start, stop, scores, rows, columns in _score_blocks(query, rows_query, key, block_size):
             torch.amax(scores, dim=-1, keepdim=True, out=row_max[:, :, rows])
             maps = scores.sub_(row_max[:, :, rows]).exp_()
             torch.sum(maps, dim=-1, keepdim=True, out=row_sum[:, :, rows])
             maps = maps.div_(row_sum[:, :, rows]).view(batch, kv_heads, stop - start, pairs, 2, columns)
-            differential = _block_buffer(differential_buffer, batch, kv_heads, stop - start, pairs, columns)
-            torch.addcmul(maps[..., 0, :], maps[..., 1, :], lam[:, :, start:stop], value=-1, out=differential)
-            output[:, :, start * pairs : stop * pairs] = torch.matmul(
-                differential.view(batch, kv_heads, -1, columns), value[:, :, :columns])
+            differential = _pair_difference(maps, lam[:, :, start:stop], differential_buffer)
+            output[:, :, start * pairs : stop * pairs] = torch.matmul(differential, value[:, :, :columns])
         ctx.save_for_backward(query, key, value, lambdas, row_max, row_sum)
         ctx.settings = scaling, block_size
         # (batch, G, T·P, d) -> (batch, T, G·P, d): pair g·P + p
@@ -91,20 +105,14 @@ class FusedPairAttention(torch.autograd.Function):
         grad_key = torch.zeros_like(key)
         grad_value = torch.zeros_like(value)
         grad_lambda = query.new_empty(batch, kv_heads, length, pairs)
-        masking = _block_masking(None, block_size, query.device)
-        buffer = _score_buffer(query, key, block_size, group, query.dtype)
-        differential_buffer = buffer.new_empty(buffer.numel() // 2)
-        for start in range(0, length, block_size):
-            stop = min(start + block_size, length)
-            scores, rows, columns = _block_scores(rows_query, key, None, masking, start, stop, 0, True, group, buffer)
+        differential_buffer = query.new_empty(batch * kv_heads * min(block_size, length) * pairs * length)
+        for start, stop, scores, rows, columns in _score_blocks(query, rows_query, key, block_size):
             maps = scores.sub_(row_max[:, :, rows]).exp_().div_(row_sum[:, :, rows])
             maps = maps.view(batch, kv_heads, stop - start, pairs, 2, columns)
             block_lambda = lam[:, :, start:stop]
-            differential = _block_buffer(differential_buffer, batch, kv_heads, stop - start, pairs, columns)
-            torch.addcmul(maps[..., 0, :], maps[..., 1, :], block_lambda, value=-1, out=differential)
+            differential = _pair_difference(maps, block_lambda, differential_buffer)
             grad_block = grad_output[:, :, start * pairs : stop * pairs]
-            grad_value[:, :, :columns] += torch.matmul(
-                differential.view(batch, kv_heads, -1, columns).transpose(2, 3), grad_block)
+            grad_value[:, :, :columns] += torch.matmul(differential.transpose(2, 3), grad_block)
             grad_differential = torch.matmul(grad_block, value[:, :, :columns].transpose(2, 3))
             grad_differential = grad_differential.view(batch, kv_heads, stop - start, pairs, 1, columns)
             # dA1 = dD, dA2 = −λ·dD; softmax backward dS = A ∘ (dA − rowsum(dA ∘ A)); dλ = −rowsum(A2 ∘ dD).
