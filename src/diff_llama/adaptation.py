@@ -291,7 +291,9 @@ def check_options(options: AdaptationOptions) -> None:
                          f"{own_warmup}; leave it unset to share warmup_steps")
     if options.learning_rate <= 0 or options.differential_learning_rate < 0:
         raise ValueError(f"need learning_rate > 0 and differential_learning_rate >= 0 (got {options.learning_rate} "
-                         f"and {options.differential_learning_rate}); the second heads' rate is a multiple of the first")
+                         f"and {options.differential_learning_rate}): the second query heads live in q_proj with the "
+                         "first, so their rate is applied as a multiple of learning_rate, which must be positive; set "
+                         "--learning-rate above 0 and --differential-learning-rate to 0 or more")
     _autocast_dtype(options)  # an unknown dtype
 
 
