@@ -70,7 +70,8 @@ def check_reused(options: dict, args, folder: str) -> None:
     wanted = {"max_steps": args.steps, "max_length": args.max_length, "long_length": args.train_long_length,
               "long_fraction": float(args.train_long_fraction), "max_cpu_minutes": float(args.max_cpu_minutes),
               "warmup_steps": int(args.warmup_steps), "text_every": int(args.text_every), "autocast": args.dtype,
-              "eval_every": args.eval_every}
+              "eval_every": args.eval_every, "frozen_layers": args.frozen_layers}
+    options = {"frozen_layers": 0, **options}  # runs from before the option trained every layer
     differ = {key: (options[key], value) for key, value in wanted.items() if options[key] != value}
     if differ:
         found = ", ".join(f"{key} {old}, not {new}" for key, (old, new) in differ.items())
@@ -91,6 +92,9 @@ def main() -> None:
     parser.add_argument("--max-cpu-minutes", default="60", help="training budget per model (CPU-minutes)")
     parser.add_argument("--warmup-steps", default="20", help="adapt's linear warm-up steps (then linear decay to 0)")
     parser.add_argument("--text-every", default="2", help="adapt's language-modelling block every this many steps")
+    parser.add_argument("--frozen-layers", type=int, default=0,
+                        help="adapt's --frozen-layers, for every model: embeddings and the first this many decoder "
+                        "layers stay fixed, so a step costs less (0: train everything)")
     parser.add_argument("--differential-learning-rates", nargs="+", default=["1e-3"],
                         help="one V2 run per rate of its λ projection and second heads (two jobs at a time)")
     parser.add_argument("--differential-warmup-steps", nargs="+", default=None,
@@ -139,7 +143,7 @@ def main() -> None:
                      "--long-length", str(args.train_long_length), "--long-fraction", args.train_long_fraction,
                      "--autocast", args.dtype,  # float32 means no autocast
                      "--max-cpu-minutes", args.max_cpu_minutes, "--warmup-steps", args.warmup_steps,
-                     "--text-every", args.text_every, *extra], work / f"{folder}.log")
+                     "--text-every", args.text_every, "--frozen-layers", str(args.frozen_layers), *extra], work / f"{folder}.log")
                 for source, folder, name, extra in runs_to_train]
     else:
         jobs, runs_to_train = [], []

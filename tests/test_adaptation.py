@@ -165,6 +165,30 @@ def test_adapt_trains_every_part_of_a_diff_v2_model_and_writes_curves(tmp_path, 
     assert (tmp_path / "adapt.png").stat().st_size > 10_000
 
 
+def test_frozen_layers_stay_fixed_and_get_no_backward_pass(tmp_path, chat_tokenizer):
+    model = tiny_model(vocab_size=len(chat_tokenizer), max_position_embeddings=1024, diff_version=2,
+                       tie_word_embeddings=True)
+    before = copy.deepcopy(model.state_dict())
+    reached = []  # gradients that reach a decoder layer's output: none may reach the frozen first layer
+    for i, layer in enumerate(model.model.layers):
+        layer.register_full_backward_hook(lambda module, grad_in, grad_out, i=i: reached.append(i))
+    adapt(model, chat_tokenizer, AdaptationOptions(max_steps=2, eval_every=0, autocast="none", frozen_layers=1,
+                                                   differential_learning_rate=3e-3, **SMALL), name="tiny")
+    moved = {name for name, value in model.state_dict().items() if not torch.equal(value, before[name])}
+    assert not {n for n in moved if n.startswith(("model.layers.0.", "model.embed_tokens", "lm_head"))}
+    assert {f"model.layers.{i}.self_attn.q_proj.weight" for i in range(1, len(model.model.layers))} <= moved
+    assert reached and 0 not in reached and set(reached) == set(range(1, len(model.model.layers)))
+    assert all(param.requires_grad for param in model.parameters())  # frozen for the training only
+
+
+def test_adapt_refuses_more_frozen_layers_than_it_can_train(chat_tokenizer):
+    model = tiny_model(vocab_size=len(chat_tokenizer), max_position_embeddings=1024)
+    layers = len(model.model.layers)
+    for bad in (layers, -1):
+        with pytest.raises(ValueError, match="frozen_layers must be"):
+            adapt(model, chat_tokenizer, AdaptationOptions(frozen_layers=bad, **SMALL))
+
+
 def test_adapt_says_when_the_cpu_budget_cuts_its_schedule_short(tmp_path, chat_tokenizer):
     model = tiny_model(vocab_size=len(chat_tokenizer), max_position_embeddings=1024)
     options = AdaptationOptions(max_steps=5, max_cpu_minutes=1e-9, eval_every=0, autocast="none",

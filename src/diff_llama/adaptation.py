@@ -80,6 +80,9 @@ class AdaptationOptions:
     eval_cases: int = field(default=2, metadata={"help": "probe cases per (N x R, depth) at each probe length"})
     eval_lengths: list[int] = field(default_factory=lambda: [2048], metadata={"help": "probe context lengths"})
     eval_settings: list[str] = field(default_factory=lambda: ["4x2", "6x2"], metadata={"help": "probe N x R"})
+    frozen_layers: int = field(default=0, metadata={
+        "help": "keep the input embeddings (and an lm head tied to them) and the first this many decoder layers "
+        "fixed: no backward pass runs below the first trained layer, so a step costs less (0: train everything)"})
     threads: int = field(default=1, metadata={"help": "torch CPU threads (0: torch's default)"})
     seed: int = field(default=0, metadata={"help": "seed of the data order and the examples"})
     save: bool = field(default=True, metadata={"help": "save the trained model (and tokenizer) into OUTPUT"})
@@ -196,7 +199,7 @@ class SecondHeadRate:
         self.factor = factor
         self.rows = []  # (weight, index of its second-head rows)
         for module in model.modules():
-            if isinstance(module, DiffLlamaV2Attention):
+            if isinstance(module, DiffLlamaV2Attention) and module.q_proj.weight.requires_grad:
                 weight, d = module.q_proj.weight, module.head_dim
                 heads = torch.arange(1, weight.shape[0] // d, 2, device=weight.device)
                 self.rows.append((weight, (heads[:, None] * d + torch.arange(d, device=weight.device)).flatten()))
@@ -211,6 +214,20 @@ class SecondHeadRate:
             for (weight, rows), before in zip(self.rows, self._before):
                 weight[rows] = before + self.factor * (weight[rows] - before)
         self._before = []
+
+
+def freeze_lower_layers(model, count: int) -> None:
+    """Stop training the input embeddings and the first `count` decoder layers. Nothing below the first trained
+    layer then needs a gradient, so autograd runs no backward pass there."""
+    if count == 0:
+        return
+    layers = model.get_decoder().layers
+    if not 0 < count < len(layers):
+        raise ValueError(f"frozen_layers must be between 0 and {len(layers) - 1} (this model has {len(layers)} decoder "
+                         f"layers), got {count}; set 0 to train every layer")
+    model.get_input_embeddings().requires_grad_(False)
+    for layer in layers[:count]:
+        layer.requires_grad_(False)
 
 
 def differential_parameters(model) -> list[torch.nn.Parameter]:
@@ -289,6 +306,8 @@ def check_options(options: AdaptationOptions) -> None:
     if own_warmup is not None and not 0 <= own_warmup <= options.max_steps:
         raise ValueError(f"differential_warmup_steps must be between 0 and max_steps ({options.max_steps}), got "
                          f"{own_warmup}; leave it unset to share warmup_steps")
+    if options.frozen_layers < 0:
+        raise ValueError(f"frozen_layers must be 0 or more, got {options.frozen_layers}; set 0 to train every layer")
     if options.learning_rate <= 0 or options.differential_learning_rate < 0:
         raise ValueError(f"need learning_rate > 0 and differential_learning_rate >= 0 (got {options.learning_rate} "
                          f"and {options.differential_learning_rate}): the second query heads live in q_proj with the "
@@ -311,6 +330,8 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
     if options.kl_weight > 0:
         reference = copy.deepcopy(model).eval().requires_grad_(False)
     model.train()
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    freeze_lower_layers(model, options.frozen_layers)
     differential = differential_parameters(model)
     # torch keeps extra keys in a param group: "differential" marks the group on the differential schedule
     extra_groups = [{"params": differential, "lr": options.differential_learning_rate, "weight_decay": 0.0,
@@ -366,6 +387,8 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
         if done:
             break
     model.eval()
+    for param in trainable:  # frozen for this training only
+        param.requires_grad_(True)
     history["cpu_minutes"] = cpu_seconds / 60
     history["stopped_by_budget"] = out_of_budget
     if out_of_budget:  # the schedule decays to 0 at max_steps: stopped early, training ended at a high rate
