@@ -143,7 +143,8 @@ def main() -> None:
                      "--long-length", str(args.train_long_length), "--long-fraction", args.train_long_fraction,
                      "--autocast", args.dtype,  # float32 means no autocast
                      "--max-cpu-minutes", args.max_cpu_minutes, "--warmup-steps", args.warmup_steps,
-                     "--text-every", args.text_every, "--frozen-layers", str(args.frozen_layers), *extra], work / f"{folder}.log")
+                     "--text-every", args.text_every, "--frozen-layers", str(args.frozen_layers), *extra],
+                    work / f"{folder}.log")
                 for source, folder, name, extra in runs_to_train]
     else:
         jobs, runs_to_train = [], []

@@ -21,6 +21,9 @@ causal LM, so a converted model and its source LLaMA can be trained identically 
   at the base rate they part by 0.25% in 150 steps and the model stays its source. The source has no such
   parameters, so the comparison stays like for like.
 
+`frozen_layers` keeps the embeddings and the lower decoder layers fixed, so that no backward pass runs below the first
+trained layer: more steps within a CPU budget, at the price of what those layers could learn.
+
 The training budget is counted in CPU seconds of the training steps alone (evaluations excluded), so models trained
 side by side on a shared machine get comparable figures. Every `eval_every` steps a small held-out probe (evaluation
 cities and filler, another seed than `diff-llama evaluate`'s default cases) records retrieval accuracy, attention to the
