@@ -219,18 +219,21 @@ class SecondHeadRate:
         self._before = []
 
 
-def freeze_lower_layers(model, count: int) -> None:
-    """Stop training the input embeddings and the first `count` decoder layers. Nothing below the first trained
-    layer then needs a gradient, so autograd runs no backward pass there."""
+def freeze_lower_layers(model, count: int) -> list[torch.nn.Parameter]:
+    """Stop training the input embeddings and the first `count` decoder layers; returns the parameters it froze (to
+    unfreeze after training). Nothing below the first trained layer then needs a gradient, so autograd runs no
+    backward pass there."""
     if count == 0:
-        return
+        return []
     layers = model.get_decoder().layers
     if not 0 < count < len(layers):
         raise ValueError(f"frozen_layers must be between 0 and {len(layers) - 1} (this model has {len(layers)} decoder "
                          f"layers), got {count}; set 0 to train every layer")
-    model.get_input_embeddings().requires_grad_(False)
-    for layer in layers[:count]:
-        layer.requires_grad_(False)
+    modules = [model.get_input_embeddings(), *layers[:count]]
+    frozen = [param for module in modules for param in module.parameters() if param.requires_grad]
+    for param in frozen:
+        param.requires_grad_(False)
+    return frozen
 
 
 def differential_parameters(model) -> list[torch.nn.Parameter]:
@@ -333,8 +336,7 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
     if options.kl_weight > 0:
         reference = copy.deepcopy(model).eval().requires_grad_(False)
     model.train()
-    trainable = [param for param in model.parameters() if param.requires_grad]
-    freeze_lower_layers(model, options.frozen_layers)
+    frozen = freeze_lower_layers(model, options.frozen_layers)
     differential = differential_parameters(model)
     # torch keeps extra keys in a param group: "differential" marks the group on the differential schedule
     extra_groups = [{"params": differential, "lr": options.differential_learning_rate, "weight_decay": 0.0,
@@ -390,7 +392,7 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
         if done:
             break
     model.eval()
-    for param in trainable:  # frozen for this training only
+    for param in frozen:  # frozen for this training only
         param.requires_grad_(True)
     history["cpu_minutes"] = cpu_seconds / 60
     history["stopped_by_budget"] = out_of_budget
