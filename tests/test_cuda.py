@@ -1,0 +1,216 @@
+"""The CUDA paths, against the float64 reference on the CPU. Skipped where no CUDA device is present (CI, the 2-core
+machines); run on a lent GPU with `pytest tests/test_cuda.py`.
+
+Version 1 with every kernel that runs on CUDA (generic, blocked, decode) and DIFF V2, on the eager, SDPA and
+FlexAttention backends (flash-attention 2 too where `flash_attn` is installed), for odd G, G = 1 and even G, with left
+padding, a cache, gradients and bf16. The models are built and randomised in float64 on the CPU, where the reference
+runs, then copied to the GPU: the GPU sees exactly the weights the reference saw.
+"""
+
+import importlib.util
+from unittest import mock
+
+import pytest
+import torch
+
+import diff_llama.modeling_diff_llama as modeling
+from conftest import tiny_model
+from diff_llama.modeling_diff_llama import ALL_DIFFERENTIAL_KERNELS, select_differential_kernel
+from reference import checkpoint_state_dict, reference_forward
+from test_reference import prefill_then_decode, random_batch, randomise_lambdas
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICE = "cuda"
+
+BACKENDS = ["eager", "sdpa"] + (["flash_attention_2"] if importlib.util.find_spec("flash_attn") else [])
+# (query maps, key/value heads): odd G, G = 1, even G; V2 with 18 maps over 3 heads is SmolLM2's converted layout.
+V1_LAYOUTS = [(6, 3), (8, 1), (8, 4)]
+V2_LAYOUTS = [(6, 3), (8, 1), (18, 3)]
+# fp32 on the GPU against float64: reductions in another order, no TF32 (below). A wrong pairing or λ is O(0.1).
+FP32_ATOL = 1e-4
+HEAD_DIM = 16  # FlexAttention and flash kernels on CUDA want head widths of 16 or more
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    with mock.patch.object(torch.backends.cuda.matmul, "allow_tf32", False), \
+            mock.patch.object(torch.backends.cudnn, "allow_tf32", False):
+        yield
+
+
+def float64_model(version, heads, kv_heads, layers=3):
+    model = tiny_model(torch.float64, diff_version=version, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       head_dim=HEAD_DIM, num_hidden_layers=layers)
+    if version == 1:
+        randomise_lambdas(model)
+    else:  # λ well away from 0.5 and different per token and head
+        generator = torch.Generator().manual_seed(7)
+        for layer in model.model.layers:
+            weight = layer.self_attn.differential_lambda.lambda_proj.weight
+            weight.data = torch.randn(weight.shape, generator=generator, dtype=weight.dtype)
+    return model
+
+
+def on_cuda(model, dtype, backend, kernel=None):
+    model = model.to(DEVICE, dtype)
+    model.set_attn_implementation(backend)
+    if kernel is not None:
+        model.set_differential_kernel(kernel)
+    return model
+
+
+def cases():
+    for heads, kv_heads in V1_LAYOUTS:
+        for kernel in ("generic", "blocked", "decode"):
+            yield 1, heads, kv_heads, kernel
+    for heads, kv_heads in V2_LAYOUTS:
+        yield 2, heads, kv_heads, None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("version,heads,kv_heads,kernel", list(cases()))
+def test_fp32_prefill_and_cached_decoding_match_the_reference(version, heads, kv_heads, kernel, backend):
+    model = float64_model(version, heads, kv_heads)
+    input_ids, attention_mask = random_batch()
+    state = checkpoint_state_dict(model)
+    expected = reference_forward(model.config, state, input_ids, attention_mask)
+    expected_plain = reference_forward(model.config, state, input_ids)
+    model = on_cuda(model, torch.float32, backend, kernel)
+    logits = prefill_then_decode(model, input_ids.to(DEVICE), attention_mask.to(DEVICE)).cpu().double()
+    with torch.no_grad():
+        plain = model(input_ids.to(DEVICE)).logits.cpu().double()
+    real = attention_mask.bool()
+    torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=FP32_ATOL)
+    torch.testing.assert_close(plain, expected_plain, rtol=0, atol=FP32_ATOL)
+
+
+@pytest.mark.parametrize("version,heads,kv_heads", [(1, 6, 3), (1, 8, 1), (2, 6, 3), (2, 8, 1)])
+def test_flex_attention_forward_and_gradients_match_the_reference(version, heads, kv_heads):
+    """FlexAttention compiles a Triton kernel per shape, so one padded forward and one backward per layout."""
+    model = float64_model(version, heads, kv_heads, layers=2)
+    input_ids, attention_mask = random_batch(length=16)
+    expected = reference_forward(model.config, checkpoint_state_dict(model), input_ids, attention_mask)
+    labels = padded_labels(input_ids, attention_mask)
+    reference_grads = gradients(model, input_ids, attention_mask, labels)
+    model = on_cuda(model, torch.float32, "flex_attention")
+    with torch.no_grad():
+        logits = model(input_ids.to(DEVICE), attention_mask=attention_mask.to(DEVICE)).logits.cpu().double()
+    real = attention_mask.bool()
+    torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=FP32_ATOL)
+    assert_gradients_close(gradients(model, input_ids, attention_mask, labels), reference_grads, 1e-3)
+
+
+def padded_labels(input_ids, attention_mask):
+    # No loss on padded positions or on the outputs of padded query rows: a fully masked row has no defined output,
+    # and the backends differ there.
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, 1:].masked_fill_(attention_mask[:, :-1] == 0, -100)
+    return labels
+
+
+def gradients(model, input_ids, attention_mask, labels) -> dict:
+    device = next(model.parameters()).device
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids.to(device), attention_mask=attention_mask.to(device), labels=labels.to(device)).loss
+    loss.backward()
+    grads = {"loss": loss.detach().cpu().double()}
+    grads.update({name: param.grad.cpu().double() for name, param in model.named_parameters()})
+    model.eval()
+    return grads
+
+
+def assert_gradients_close(actual: dict, expected: dict, relative: float):
+    """Each gradient within `relative` of its largest entry (plus a floor for the all-but-zero ones)."""
+    assert actual.keys() == expected.keys()
+    for name, want in expected.items():
+        error = (actual[name] - want).abs().max().item()
+        assert error <= relative * want.abs().max().item() + 1e-7, f"{name}: error {error:.3g}"
+
+
+@pytest.mark.parametrize("version,backend,kernel", [
+    (1, "sdpa", "generic"), (1, "sdpa", "blocked"), (1, "eager", "generic"), (2, "sdpa", None), (2, "eager", None)])
+@pytest.mark.parametrize("heads,kv_heads", [(6, 3), (8, 1)])
+def test_fp32_training_gradients_match_float64(version, backend, kernel, heads, kv_heads):
+    """Loss and every parameter's gradient (λ included) with left padding, on the GPU against the CPU in float64."""
+    model = float64_model(version, heads, kv_heads)
+    input_ids, attention_mask = random_batch(length=14)
+    labels = padded_labels(input_ids, attention_mask)
+    expected = gradients(model, input_ids, attention_mask, labels)
+    with mock.patch.object(modeling, "BLOCKED_KERNEL_ROWS", 4):  # several blocks, causal ones skipped
+        actual = gradients(on_cuda(model, torch.float32, backend, kernel), input_ids, attention_mask, labels)
+    assert_gradients_close(actual, expected, 1e-3)
+
+
+@pytest.mark.parametrize("version,kernel", [(1, "generic"), (1, "blocked"), (2, None)])
+def test_bf16_logits_are_as_close_to_the_reference_as_the_cpu_bf16_path(version, kernel):
+    """bf16 on the GPU rounds like bf16 anywhere: its error against float64 stays within 1.5x that of the CPU's bf16
+    eager path on the same weights (the bf16 rounding of the weights is in both)."""
+    model = float64_model(version, 6, 3)
+    input_ids, attention_mask = random_batch(length=40)
+    expected = reference_forward(model.config, checkpoint_state_dict(model), input_ids, attention_mask)
+    real = attention_mask.bool()
+
+    def error(candidate, device):
+        with torch.no_grad():
+            logits = candidate(input_ids.to(device), attention_mask=attention_mask.to(device)).logits
+        return (logits.cpu().double()[real] - expected[real]).abs().max().item()
+
+    model = model.to(torch.bfloat16)
+    model.set_attn_implementation("eager")
+    cpu_error = error(model, "cpu")
+    for backend in ("eager", "sdpa"):
+        gpu_error = error(on_cuda(model, torch.bfloat16, backend, kernel), DEVICE)
+        assert gpu_error <= 1.5 * cpu_error + 1e-3, (backend, gpu_error, cpu_error)
+        model.cpu()
+
+
+@pytest.mark.parametrize("version,kernel", [(1, "generic"), (1, "blocked"), (2, None)])
+def test_bf16_gradients_are_as_close_to_float64_as_the_cpu_bf16_path(version, kernel):
+    """A single bf16 gradient can be all rounding (λ's are sums of cancelling terms), so the check is on all of them
+    at once: each gradient scaled by its float64 maximum, the error norm within 1.5x that of the CPU's bf16 path."""
+    model = float64_model(version, 6, 3)
+    input_ids, attention_mask = random_batch(length=40)
+    labels = padded_labels(input_ids, attention_mask)
+    expected = gradients(model, input_ids, attention_mask, labels)
+
+    def error(actual):
+        return torch.cat([((actual[name] - want) / (want.abs().max() + 1e-12)).flatten()
+                          for name, want in expected.items()]).norm().item()
+
+    model = model.to(torch.bfloat16)
+    model.set_attn_implementation("sdpa")
+    cpu_error = error(gradients(model, input_ids, attention_mask, labels))
+    gpu_error = error(gradients(on_cuda(model, torch.bfloat16, "sdpa", kernel), input_ids, attention_mask, labels))
+    assert gpu_error <= 1.5 * cpu_error, (gpu_error, cpu_error)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generation_logits_equal_a_full_forward_of_the_output(version, cache):
+    """Greedy generation with a left-padded batch and a cache: each step's logits are those of one forward pass over
+    the whole generated sequence."""
+    model = on_cuda(float64_model(version, 6, 3), torch.float32, "sdpa")
+    prompt, attention_mask = random_batch(length=7)
+    prompt, attention_mask = prompt.to(DEVICE), attention_mask.to(DEVICE)
+    out = model.generate(prompt, attention_mask=attention_mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                         cache_implementation=cache, output_logits=True, return_dict_in_generate=True,
+                         pad_token_id=0)
+    full_mask = torch.cat([attention_mask, torch.ones_like(out.sequences[:, 7:])], dim=1)
+    with torch.no_grad():
+        full = model(out.sequences, attention_mask=full_mask).logits[:, 6:-1]
+    torch.testing.assert_close(torch.stack(out.logits, dim=1), full, rtol=0, atol=FP32_ATOL)
+
+
+def test_dispatch_on_cuda_takes_the_generic_path_except_for_decoding():
+    """The automatic choice on CUDA (DIFFERENTIAL_KERNEL_DISPATCH; bench/cuda_benchmark.py measures it)."""
+    model = on_cuda(float64_model(1, 6, 3), torch.bfloat16, "sdpa")
+    attention = model.model.layers[0].self_attn
+    query = torch.randn(1, 6, 5, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+    key = torch.randn(1, 6, 5, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+    kernels = ALL_DIFFERENTIAL_KERNELS
+    with torch.no_grad():
+        assert select_differential_kernel(attention, query, key, None).function is kernels["generic"].function
+        assert select_differential_kernel(attention, query[:, :, :1], key, None).function is kernels["decode"].function
+    assert select_differential_kernel(attention, query.requires_grad_(), key, None).function is (
+        kernels["generic"].function)
