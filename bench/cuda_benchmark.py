@@ -13,8 +13,12 @@ Figures, each the median of interleaved repetitions (A, B, C, A, B, C, ...), CUD
 - prefill of 4096 tokens (batch 1, logits of the last token);
 - greedy decoding, 64 tokens after a 512-token prompt, dynamic cache, batch 1 and 16 (tokens/s).
 
-Usage: python bench/cuda_benchmark.py [--rounds 5] [--shapes smollm2-135m llama-3.2-1b] [--output DIR]
-Writes cuda.json and cuda.md into DIR (default bench/results).
+The table also gives each model's spread over the rounds (largest / smallest sample): on a shared host, one training
+step of a small model is mostly kernel launches from Python, and it varies by tens of percent from call to call; a
+ratio inside that spread is not a difference.
+
+Usage: python bench/cuda_benchmark.py [--rounds 5] [--shapes smollm2-135m llama-3.2-1b] [--output DIR] [--name cuda]
+Writes NAME.json and NAME.md into DIR (default bench/results/cuda.{json,md}).
 """
 
 import argparse
@@ -125,11 +129,16 @@ def ratio(medians, figure, model, baseline) -> float:
     return 1 / value if "tokens/s" in figure else value  # always "time (or memory) relative to the baseline"
 
 
-def write(results: dict, folder: Path) -> None:
+def spread(rows, figure) -> float:
+    values = [row[figure] for row in rows]
+    return max(values) / min(values)
+
+
+def write(results: dict, folder: Path, name: str = "cuda") -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "cuda.json").write_text(json.dumps(results, indent=1))
+    (folder / f"{name}.json").write_text(json.dumps(results, indent=1))
     lines = [f"# CUDA speed and memory ({results['device']}, torch {results['torch']}, bf16, SDPA, "
-             f"{results['rounds']} rounds)", "",
+             f"{results['rounds']} round(s))", "",
              "Time or memory relative to the baseline (below 1: faster or smaller); decode ratios are inverted "
              "tokens/s. Command: `python bench/cuda_benchmark.py`.", ""]
     for shape_name, shape_results in results["shapes"].items():
@@ -142,8 +151,18 @@ def write(results: dict, folder: Path) -> None:
             cells = [f"{medians[name][figure]:.4g}" for name in MODELS]
             cells += [f"{ratio(medians, figure, a, b):.2f}x" for a, b in RATIOS]
             lines.append(f"| {figure} | " + " | ".join(cells) + " |")
+        if results["rounds"] == 1:
+            lines += ["", "One round: no spread measured; read each ratio against the spreads of a run with more rounds.",
+                      ""]
+            continue
+        lines += ["", "Spread over the rounds (largest / smallest sample) of each model:", "",
+                  "| figure | " + " | ".join(MODELS) + " |", "|---" * (1 + len(MODELS)) + "|"]
+        samples = shape_results["samples"]
+        for figure in figures:
+            lines.append(f"| {figure} | " + " | ".join(f"{spread(samples[name], figure):.2f}" for name in MODELS)
+                         + " |")
         lines.append("")
-    (folder / "cuda.md").write_text("\n".join(lines))
+    (folder / f"{name}.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 
@@ -152,7 +171,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--output", default=str(Path(__file__).parent / "results"),
-                        help="folder for cuda.json and cuda.md")
+                        help="folder for the results (default bench/results)")
+    parser.add_argument("--name", default="cuda", help="file name of the results, without .json/.md (default cuda)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("no CUDA device: this benchmark measures the GPU paths (see bench/model_benchmark.py for CPUs)")
@@ -160,7 +180,7 @@ def main():
                "rounds": args.rounds, "shapes": {}}
     for shape_name in args.shapes:
         results["shapes"][shape_name] = run_shape(shape_name, args.rounds)
-        write(results, Path(args.output))  # after each shape, so a cut-off run keeps what it measured
+        write(results, Path(args.output), args.name)  # after each shape, so a cut-off run keeps what it measured
 
 
 if __name__ == "__main__":

@@ -33,9 +33,11 @@ HEAD_DIM = 16  # FlexAttention and flash kernels on CUDA want head widths of 16 
 
 @pytest.fixture(autouse=True)
 def no_tf32():
-    with mock.patch.object(torch.backends.cuda.matmul, "allow_tf32", False), \
-            mock.patch.object(torch.backends.cudnn, "allow_tf32", False):
-        yield
+    # Plain assignment: these flags are module properties that mock.patch cannot delete on the way out.
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def float64_model(version, heads, kv_heads, layers=3):
@@ -114,8 +116,9 @@ def gradients(model, input_ids, attention_mask, labels) -> dict:
     model.zero_grad(set_to_none=True)
     loss = model(input_ids.to(device), attention_mask=attention_mask.to(device), labels=labels.to(device)).loss
     loss.backward()
-    grads = {"loss": loss.detach().cpu().double()}
-    grads.update({name: param.grad.cpu().double() for name, param in model.named_parameters()})
+    # Copies: moving the model to another device or dtype later converts its .grad tensors in place.
+    grads = {"loss": loss.detach().cpu().double().clone()}
+    grads.update({name: param.grad.cpu().double().clone() for name, param in model.named_parameters()})
     model.eval()
     return grads
 

@@ -632,7 +632,9 @@ DIFFERENTIAL_KERNEL_DISPATCH = [
      "against 0.90x / 0.87x / 0.91x for the generic path's two calls in the same run (bench/results/model-kernels.md; "
      "other runs: 0.92x-0.98x); under load the generic path's two calls gave 0.74-0.91x against this kernel's "
      "0.91-0.96x (bench/results/model-kernels-loaded.md); aten ops per step 986 against Llama's 893 "
-     "(bench/results/decode_ops.md). Plain bmm and softmax, so it runs on CUDA too; unmeasured there."),
+     "(bench/results/decode_ops.md). Plain bmm and softmax, so it runs on CUDA too. H200, bf16, against the generic "
+     "path's two SDPA calls: 1.09x / 1.08x its tokens/s (b1 / b16) at SmolLM2-135M's shape (3 rounds, inside the "
+     "spread), 0.71x at Llama-3.2-1B's (one round); kept until more rounds decide (bench/results/cuda-h200-*.md)."),
     ("sdpa", "cpu", "prefill", _FULL_PRECISION, "blocked",
      "CPU, fp32, quiet machine, one run (bench/results/model-kernels.md): whole-model prefill 1.04x / 1.09x / 1.15x "
      "Llama at 512 / 2048 / 8192 tokens against 1.18x / 1.26x / 1.43x for the padded call; attention layer at 2048 "
@@ -650,8 +652,8 @@ DIFFERENTIAL_KERNEL_DISPATCH = [
     ("*", "*", "*", "*", "generic",
      "The default: exact on every backend and device. CPU bf16 prefill stays here: Llama's SDPA runs on the bf16 "
      "units and the padded call stays within 1.26-1.29x of it at 2048-8192 tokens, where the blocked core is 3.4-3.7x "
-     "(bench/results/attention_core-bfloat16.md). CUDA (SDPA, flash-attention 2) is unmeasured, so it keeps the "
-     "one-call path."),
+     "(bench/results/attention_core-bfloat16.md). CUDA prefill and training (H200, bf16, SDPA): this path 1.19-1.71x "
+     "Llama's time, the blocked kernel 5.7-8.7x (bench/results/cuda-h200-*.md); flash-attention 2 is unmeasured."),
 ]
 
 
