@@ -2,6 +2,7 @@
 
 import copy
 import json
+from unittest import mock
 
 import pytest
 import torch
@@ -179,6 +180,16 @@ def test_frozen_layers_stay_fixed_and_get_no_backward_pass(tmp_path, chat_tokeni
     assert {f"model.layers.{i}.self_attn.q_proj.weight" for i in range(1, len(model.model.layers))} <= moved
     assert reached and 0 not in reached and set(reached) == set(range(1, len(model.model.layers)))
     assert all(param.requires_grad for param in model.parameters())  # frozen for the training only
+
+
+def test_frozen_layers_are_unfrozen_when_training_stops_with_an_error(chat_tokenizer):
+    model = tiny_model(vocab_size=len(chat_tokenizer), max_position_embeddings=1024, diff_version=2)
+    with mock.patch("diff_llama.adaptation.RetrievalExamples.next", side_effect=KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
+            adapt(model, chat_tokenizer, AdaptationOptions(max_steps=2, eval_every=0, autocast="none",
+                                                           frozen_layers=1, **SMALL), name="tiny")
+    assert all(param.requires_grad for param in model.parameters())
+    assert not model.training
 
 
 def test_adapt_refuses_more_frozen_layers_than_it_can_train(chat_tokenizer):

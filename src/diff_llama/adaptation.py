@@ -357,43 +357,45 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
         if output is not None:
             write_history(history, output)
 
-    record_probe(0)
-    progress = tqdm(range(options.max_steps), desc=f"adapt {name}")
-    for step in progress:
-        started = time.process_time()
-        factor, own_factor = learning_rate_factor(step, options), differential_factor(step, options)
-        for group, rate in zip(optimizer.param_groups, base_rates):
-            group["lr"] = rate * (own_factor if group.get("differential") else factor)
-        # the second heads share q_proj with the first: their update is the shared one, rescaled to their own rate
-        second_heads.factor = options.differential_learning_rate / options.learning_rate * (own_factor / factor)
-        input_ids, answer_tokens = examples.next()
-        with _autocast(options):
-            loss = answer_loss(model, input_ids, answer_tokens)
-        loss.backward()
-        entry = {"step": step + 1, "tokens": len(input_ids), "answer_loss": loss.item()}
-        if blocks is not None and step % options.text_every == 0:
+    try:
+        record_probe(0)
+        progress = tqdm(range(options.max_steps), desc=f"adapt {name}")
+        for step in progress:
+            started = time.process_time()
+            factor, own_factor = learning_rate_factor(step, options), differential_factor(step, options)
+            for group, rate in zip(optimizer.param_groups, base_rates):
+                group["lr"] = rate * (own_factor if group.get("differential") else factor)
+            # the second heads share q_proj with the first: their update is the shared one, rescaled to their own rate
+            second_heads.factor = options.differential_learning_rate / options.learning_rate * (own_factor / factor)
+            input_ids, answer_tokens = examples.next()
             with _autocast(options):
-                lm = text_loss(model, next(blocks), reference, options.kl_weight)
-            lm.backward()
-            entry["text_loss"] = lm.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        second_heads.before_step()
-        optimizer.step()
-        second_heads.after_step()
-        optimizer.zero_grad(set_to_none=True)
-        cpu_seconds += time.process_time() - started
-        entry["cpu_minutes"] = cpu_seconds / 60
-        history["steps"].append(entry)
-        progress.set_postfix(answer_loss=f"{entry['answer_loss']:.3f}", cpu_min=f"{cpu_seconds / 60:.1f}")
-        out_of_budget = step + 1 < options.max_steps and cpu_seconds / 60 >= options.max_cpu_minutes
-        done = step + 1 == options.max_steps or out_of_budget
-        if done or (options.eval_every and (step + 1) % options.eval_every == 0):
-            record_probe(step + 1)
-        if done:
-            break
-    model.eval()
-    for param in frozen:  # frozen for this training only
-        param.requires_grad_(True)
+                loss = answer_loss(model, input_ids, answer_tokens)
+            loss.backward()
+            entry = {"step": step + 1, "tokens": len(input_ids), "answer_loss": loss.item()}
+            if blocks is not None and step % options.text_every == 0:
+                with _autocast(options):
+                    lm = text_loss(model, next(blocks), reference, options.kl_weight)
+                lm.backward()
+                entry["text_loss"] = lm.item()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            second_heads.before_step()
+            optimizer.step()
+            second_heads.after_step()
+            optimizer.zero_grad(set_to_none=True)
+            cpu_seconds += time.process_time() - started
+            entry["cpu_minutes"] = cpu_seconds / 60
+            history["steps"].append(entry)
+            progress.set_postfix(answer_loss=f"{entry['answer_loss']:.3f}", cpu_min=f"{cpu_seconds / 60:.1f}")
+            out_of_budget = step + 1 < options.max_steps and cpu_seconds / 60 >= options.max_cpu_minutes
+            done = step + 1 == options.max_steps or out_of_budget
+            if done or (options.eval_every and (step + 1) % options.eval_every == 0):
+                record_probe(step + 1)
+            if done:
+                break
+    finally:  # frozen for this training only, also when it stops with an error
+        model.eval()
+        for param in frozen:
+            param.requires_grad_(True)
     history["cpu_minutes"] = cpu_seconds / 60
     history["stopped_by_budget"] = out_of_budget
     if out_of_budget:  # the schedule decays to 0 at max_steps: stopped early, training ended at a high rate
