@@ -18,7 +18,8 @@ step of a small model is mostly kernel launches from Python, and it varies by te
 ratio inside that spread is not a difference.
 
 Usage: python bench/cuda_benchmark.py [--rounds 5] [--shapes smollm2-135m llama-3.2-1b] [--output DIR] [--name cuda]
-Writes NAME.json and NAME.md into DIR (default bench/results/cuda.{json,md}).
+Writes NAME.json and NAME.md into DIR (default bench/results/cuda.{json,md}). On an H200, each round (and the warm-up
+round before them) takes about 95 s for the SmolLM2 shape and 90 s for the 1B one, decoding most of it.
 """
 
 import argparse
@@ -152,8 +153,8 @@ def write(results: dict, folder: Path, name: str = "cuda") -> None:
             cells += [f"{ratio(medians, figure, a, b):.2f}x" for a, b in RATIOS]
             lines.append(f"| {figure} | " + " | ".join(cells) + " |")
         if results["rounds"] == 1:
-            lines += ["", "One round: no spread measured; read each ratio against the spreads of a run with more rounds.",
-                      ""]
+            lines += ["", "One round: no spread measured; read each ratio against the spreads of a run with more "
+                      "rounds.", ""]
             continue
         lines += ["", "Spread over the rounds (largest / smallest sample) of each model:", "",
                   "| figure | " + " | ".join(MODELS) + " |", "|---" * (1 + len(MODELS)) + "|"]
@@ -168,8 +169,9 @@ def write(results: dict, folder: Path, name: str = "cuda") -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds after the warm-up round (default 5)")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES),
+                        help="model shapes to measure (default: both)")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results"),
                         help="folder for the results (default bench/results)")
     parser.add_argument("--name", default="cuda", help="file name of the results, without .json/.md (default cuda)")
