@@ -109,6 +109,9 @@ def main() -> None:
     parser.add_argument("--hard-lengths", nargs="+", default=None,
                         help="evalhard's context lengths (default: 2048 and --long-length), one evaluation per length "
                         "and model in evalhard-<length>-<model>")
+    parser.add_argument("--hard-seed", type=int, default=2,
+                        help="evalhard's case seed (default 2; another seed gives fresh cases, in "
+                        "evalhard<seed>-<length>-<model>, to check a result on cases it was not chosen on)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                         help="training autocast and evaluation weights (auto: bfloat16 where the CPU has bf16 units; "
                         "the published results used bfloat16 on such a CPU)")
@@ -152,6 +155,7 @@ def main() -> None:
     models = [("smollm2", "SmolLM2-135M-Instruct (before training)", "source")]
     models += [(str(work / folder), f"{name}, adapted", folder) for _, folder, name, _ in runs]
     # The main evaluation (1K/2K, every setting, perplexity), then the long one: 4K tokens, the multi-needle settings.
+    hard_prefix = "evalhard" if args.hard_seed == 2 else f"evalhard{args.hard_seed}"
     # The hard one, decided before its results were seen: fresh cases (seed 2), the multi-needle settings at 2K and
     # 4K, 8 cases per cell and depth, for the trained models only (the untrained source scores 7% at 4K), so that a
     # paired test can tell a difference from chance.
@@ -160,9 +164,10 @@ def main() -> None:
                                      "--cases-per-depth", "4", "--perplexity-tokens", "0"], models)],
               # One run per length (the same cases as one run at all of them: cases are seeded per length), so that
               # the lengths can be run, and resumed, one at a time; the report joins them.
-              "evalhard": [(f"evalhard-{length}", ["--lengths", length, "--settings", "4x2", "6x2", "--cases-per-depth",
-                                                   args.hard_cases_per_depth, "--seed", "2", "--perplexity-tokens",
-                                                   "0"], models[1:]) for length in hard_lengths]}
+              "evalhard": [(f"{hard_prefix}-{length}", ["--lengths", length, "--settings", "4x2", "6x2",
+                                                        "--cases-per-depth", args.hard_cases_per_depth, "--seed",
+                                                        str(args.hard_seed), "--perplexity-tokens", "0"], models[1:])
+                           for length in hard_lengths]}
     stages = {prefix: runs for prefix, runs in stages.items() if prefix in args.stages}
     # Each evaluation goes to <folder>-<model>, is skipped when that folder holds a finished report, and starts once
     # its model's training (if it trains in this run) has finished.
@@ -206,7 +211,8 @@ def main() -> None:
     trained = [(1, j) for j in range(2, len(models))]
     sections = {"eval": ("", lambda r: markdown_report(r, trained)),
                 "eval4k": (f"\n## At {args.long_length} tokens\n\n", lambda r: markdown_report(r, trained)),
-                "evalhard": (f"\n## Hard settings, fresh cases (seed 2), {' and '.join(hard_lengths)} tokens\n\n",
+                "evalhard": (f"\n## Hard settings, fresh cases (seed {args.hard_seed}), {' and '.join(hard_lengths)} "
+                             "tokens\n\n",
                              markdown_report)}
     markdown = "".join(sections[prefix][0] + sections[prefix][1](report) for prefix, report in reports.items())
     markdown += "\n".join(curves) + "\n"
