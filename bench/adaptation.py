@@ -154,8 +154,9 @@ def main() -> None:
     trained_now = {folder: work / f"{folder}.log" for _, folder, _, _ in runs_to_train}
     models = [("smollm2", "SmolLM2-135M-Instruct (before training)", "source")]
     models += [(str(work / folder), f"{name}, adapted", folder) for _, folder, name, _ in runs]
-    # The main evaluation (1K/2K, every setting, perplexity), then the long one: 4K tokens, the multi-needle settings.
+    # Seed 2's folders keep their old names (evalhard-<length>-<model>), so earlier runs are found again.
     hard_prefix = "evalhard" if args.hard_seed == 2 else f"evalhard{args.hard_seed}"
+    # The main evaluation (1K/2K, every setting, perplexity), then the long one: 4K tokens, the multi-needle settings.
     # The hard one, decided before its results were seen: fresh cases (seed 2), the multi-needle settings at 2K and
     # 4K, 8 cases per cell and depth, for the trained models only (the untrained source scores 7% at 4K), so that a
     # paired test can tell a difference from chance.

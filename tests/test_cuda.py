@@ -17,7 +17,7 @@ import diff_llama.modeling_diff_llama as modeling
 from conftest import tiny_model
 from diff_llama.modeling_diff_llama import ALL_DIFFERENTIAL_KERNELS, select_differential_kernel
 from reference import checkpoint_state_dict, reference_forward
-from test_reference import prefill_then_decode, random_batch, randomise_lambdas
+from test_reference import padded_labels, prefill_then_decode, random_batch, randomise_lambdas
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICE = "cuda"
@@ -100,14 +100,6 @@ def test_flex_attention_forward_and_gradients_match_the_reference(version, heads
     real = attention_mask.bool()
     torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=FP32_ATOL)
     assert_gradients_close(gradients(model, input_ids, attention_mask, labels), reference_grads, 1e-3)
-
-
-def padded_labels(input_ids, attention_mask):
-    # No loss on padded positions or on the outputs of padded query rows: a fully masked row has no defined output,
-    # and the backends differ there.
-    labels = input_ids.masked_fill(attention_mask == 0, -100)
-    labels[:, 1:].masked_fill_(attention_mask[:, :-1] == 0, -100)
-    return labels
 
 
 def gradients(model, input_ids, attention_mask, labels) -> dict:

@@ -22,7 +22,7 @@ from diff_llama.modeling_diff_llama import (
     select_differential_kernel,
 )
 from reference import checkpoint_state_dict, reference_forward, softmax_maps
-from test_reference import LAYOUTS, prefill_then_decode, random_batch, randomise_lambdas
+from test_reference import LAYOUTS, padded_labels, prefill_then_decode, random_batch, randomise_lambdas
 
 
 def per_head_differential(query, key, value, lam, allowed):
@@ -164,10 +164,7 @@ def test_blocked_generation_equals_generic_generation(cache):
 def test_blocked_training_with_padding_gives_eager_gradients(heads, kv_heads):
     """Loss and every gradient (λ vectors included) through the blocked kernel with a padding mask, against eager."""
     input_ids, attention_mask = random_batch(length=14)
-    # No loss on the outputs of padded query rows (the next token's label): a fully masked row has no defined output,
-    # and transformers' backends differ there (eager averages every value, SDPA does not).
-    labels = input_ids.masked_fill(attention_mask == 0, -100)
-    labels[:, 1:].masked_fill_(attention_mask[:, :-1] == 0, -100)
+    labels = padded_labels(input_ids, attention_mask)
     grads = {}
     for attn, kernel in (("sdpa", "blocked"), ("eager", "generic")):
         model = tiny_model(torch.float64, num_attention_heads=heads, num_key_value_heads=kv_heads).train()

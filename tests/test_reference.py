@@ -24,6 +24,14 @@ def random_batch(seed=1, batch=3, length=9, vocab=128):
     return input_ids, attention_mask
 
 
+def padded_labels(input_ids, attention_mask):
+    """Labels with no loss on padded positions or on the outputs of padded query rows: a fully masked row has no
+    defined output, and transformers' backends differ there (eager averages every value, SDPA does not)."""
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, 1:].masked_fill_(attention_mask[:, :-1] == 0, -100)
+    return labels
+
+
 def randomise_lambdas(model, seed=3):
     """Non-trivial λ vectors, so that λ differs from λ_init and from layer to layer."""
     generator = torch.Generator().manual_seed(seed)
