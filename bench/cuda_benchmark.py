@@ -11,21 +11,26 @@ configs come from the converter itself (`make_layout`, `diff_config_for`): versi
 Figures, each the median of interleaved repetitions (A, B, C, A, B, C, ...), CUDA synchronised around each:
 - one training step (forward + backward) at batch 1 x 4096, and its peak memory above the model and its gradients;
 - prefill of 4096 tokens (batch 1, logits of the last token);
-- greedy decoding, 64 tokens after a 512-token prompt, dynamic cache, batch 1 and 16 (tokens/s).
+- greedy decoding, 64 tokens after a 512-token prompt (`--prompt-tokens`), dynamic cache, batch 1 and 16 (tokens/s).
 
 The table also gives each model's spread over the rounds (largest / smallest sample): on a shared host, one training
 step of a small model is mostly kernel launches from Python, and it varies by tens of percent from call to call; a
 ratio inside that spread is not a difference.
 
 Usage: python bench/cuda_benchmark.py [--rounds 5] [--shapes smollm2-135m llama-3.2-1b] [--output DIR] [--name cuda]
+                                      [--figures train prefill decode] [--models MODEL ...]
 Writes NAME.json and NAME.md into DIR (default bench/results/cuda.{json,md}). On an H200, each round (and the warm-up
-round before them) takes about 95 s for the SmolLM2 shape and 90 s for the 1B one, decoding most of it.
+round before them) takes about 95 s for the SmolLM2 shape and 90 s for the 1B one, decoding most of it. `--figures
+decode --models "diff-llama" "diff-llama generic"` (llama, the baseline, is always measured) times only the decoding
+kernels against each other, so many more rounds fit in the same time.
 """
 
 import argparse
 import json
 import platform
+import shlex
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -47,7 +52,8 @@ MODELS = ("llama", "llama 2x heads", "diff-llama", "diff-llama generic", "diff-l
 # Version 1 with one kernel forced wherever it applies; "diff-llama" itself runs the automatic choice.
 FORCED_KERNELS = {"diff-llama generic": "generic", "diff-llama blocked": "blocked"}
 RATIOS = (("diff-llama", "llama"), ("diff-llama generic", "llama"), ("diff-llama blocked", "llama"),
-          ("diff-llama v2", "llama"), ("diff-llama v2", "llama 2x heads"))
+          ("diff-llama v2", "llama"), ("diff-llama v2", "llama 2x heads"), ("diff-llama", "diff-llama generic"))
+FIGURE_KINDS = ("train", "prefill", "decode")
 TRAIN_TOKENS, PREFILL_TOKENS, PROMPT_TOKENS, NEW_TOKENS = 4096, 4096, 512, 64
 
 
@@ -85,16 +91,19 @@ def training_step(model, batch):
     model.eval()
 
 
-def measure(model, inputs) -> dict:
+def measure(model, inputs, kinds) -> dict:
     figures = {}
-    training_step(model, inputs["train"])  # warm-up, gradients allocated
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    figures["train step b1x4096 (s)"] = timed(lambda: training_step(model, inputs["train"]))
-    figures["train peak memory (GiB)"] = (torch.cuda.max_memory_allocated() - before) / 2**30
+    if "train" in kinds:
+        training_step(model, inputs["train"])  # warm-up, gradients allocated
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        figures["train step b1x4096 (s)"] = timed(lambda: training_step(model, inputs["train"]))
+        figures["train peak memory (GiB)"] = (torch.cuda.max_memory_allocated() - before) / 2**30
+        model.zero_grad(set_to_none=True)
     with torch.no_grad():
-        figures["prefill 4096 (s)"] = timed(lambda: model(inputs["prefill"], logits_to_keep=1))
-        for batch in (1, 16):
+        if "prefill" in kinds:
+            figures["prefill 4096 (s)"] = timed(lambda: model(inputs["prefill"], logits_to_keep=1))
+        for batch in (1, 16) if "decode" in kinds else ():
             prompt = inputs["prompt"][:batch]
             seconds = timed(lambda: model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                                    do_sample=False, pad_token_id=0))
@@ -102,22 +111,22 @@ def measure(model, inputs) -> dict:
     return figures
 
 
-def run_shape(shape_name: str, rounds: int) -> dict:
+def run_shape(shape_name: str, rounds: int, kinds, names, prompt_tokens: int = PROMPT_TOKENS) -> dict:
     shape = SHAPES[shape_name]
     generator = torch.Generator().manual_seed(1)
     inputs = {
         "train": torch.randint(3, shape["vocab_size"], (1, TRAIN_TOKENS), generator=generator),
         "prefill": torch.randint(3, shape["vocab_size"], (1, PREFILL_TOKENS), generator=generator),
-        "prompt": torch.randint(3, shape["vocab_size"], (16, PROMPT_TOKENS), generator=generator),
+        "prompt": torch.randint(3, shape["vocab_size"], (16, prompt_tokens), generator=generator),
     }
     inputs = {key: value.cuda() for key, value in inputs.items()}
-    models = {name: build(name, shape) for name in MODELS}
+    models = {name: build(name, shape) for name in names}
     for model in models.values():  # warm-up: kernels chosen, generate's caches built
-        measure(model, inputs)
-    samples = {name: [] for name in MODELS}
+        measure(model, inputs, kinds)
+    samples = {name: [] for name in names}
     for _ in range(rounds):
         for name, model in models.items():
-            samples[name].append(measure(model, inputs))
+            samples[name].append(measure(model, inputs, kinds))
     del models
     torch.cuda.empty_cache()
     medians = {name: {figure: statistics.median(sample[figure] for sample in rows) for figure in rows[0]}
@@ -141,26 +150,29 @@ def write(results: dict, folder: Path, name: str = "cuda") -> None:
     lines = [f"# CUDA speed and memory ({results['device']}, torch {results['torch']}, bf16, SDPA, "
              f"{results['rounds']} round(s))", "",
              "Time or memory relative to the baseline (below 1: faster or smaller); decode ratios are inverted "
-             "tokens/s. Command: `python bench/cuda_benchmark.py`.", ""]
+             f"tokens/s. Decoding: {NEW_TOKENS} tokens after a {results['prompt_tokens']}-token prompt. Command: "
+             f"`{results['command']}`.", ""]
     for shape_name, shape_results in results["shapes"].items():
         medians = shape_results["medians"]
         figures = list(next(iter(medians.values())))
-        lines += [f"## {shape_name}", "", "| figure | " + " | ".join(MODELS) + " | "
-                  + " | ".join(f"{a} / {b}" for a, b in RATIOS) + " |",
-                  "|---" * (1 + len(MODELS) + len(RATIOS)) + "|"]
+        models = [name for name in MODELS if name in medians]
+        ratios = [(a, b) for a, b in RATIOS if a in medians and b in medians]
+        lines += [f"## {shape_name}", "", "| figure | " + " | ".join(models) + " | "
+                  + " | ".join(f"{a} / {b}" for a, b in ratios) + " |",
+                  "|---" * (1 + len(models) + len(ratios)) + "|"]
         for figure in figures:
-            cells = [f"{medians[name][figure]:.4g}" for name in MODELS]
-            cells += [f"{ratio(medians, figure, a, b):.2f}x" for a, b in RATIOS]
+            cells = [f"{medians[name][figure]:.4g}" for name in models]
+            cells += [f"{ratio(medians, figure, a, b):.2f}x" for a, b in ratios]
             lines.append(f"| {figure} | " + " | ".join(cells) + " |")
         if results["rounds"] == 1:
             lines += ["", "One round: no spread measured; read each ratio against the spreads of a run with more "
                       "rounds.", ""]
             continue
         lines += ["", "Spread over the rounds (largest / smallest sample) of each model:", "",
-                  "| figure | " + " | ".join(MODELS) + " |", "|---" * (1 + len(MODELS)) + "|"]
+                  "| figure | " + " | ".join(models) + " |", "|---" * (1 + len(models)) + "|"]
         samples = shape_results["samples"]
         for figure in figures:
-            lines.append(f"| {figure} | " + " | ".join(f"{spread(samples[name], figure):.2f}" for name in MODELS)
+            lines.append(f"| {figure} | " + " | ".join(f"{spread(samples[name], figure):.2f}" for name in models)
                          + " |")
         lines.append("")
     (folder / f"{name}.md").write_text("\n".join(lines))
@@ -175,13 +187,22 @@ def main():
     parser.add_argument("--output", default=str(Path(__file__).parent / "results"),
                         help="folder for the results (default bench/results)")
     parser.add_argument("--name", default="cuda", help="file name of the results, without .json/.md (default cuda)")
+    parser.add_argument("--figures", nargs="+", default=list(FIGURE_KINDS), choices=list(FIGURE_KINDS),
+                        help="what to measure: the training step with its memory, prefill, decoding (default: all)")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS), metavar="MODEL",
+                        help=f"models to measure, llama (the baseline) always among them; from {list(MODELS)} "
+                             "(default: all)")
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS,
+                        help=f"prompt length before decoding (default {PROMPT_TOKENS})")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("no CUDA device: this benchmark measures the GPU paths (see bench/model_benchmark.py for CPUs)")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-               "rounds": args.rounds, "shapes": {}}
+               "rounds": args.rounds, "figures": args.figures, "prompt_tokens": args.prompt_tokens,
+               "command": shlex.join(["python", "bench/cuda_benchmark.py", *sys.argv[1:]]), "shapes": {}}
     for shape_name in args.shapes:
-        results["shapes"][shape_name] = run_shape(shape_name, args.rounds)
+        names = [name for name in MODELS if name == "llama" or name in args.models]
+        results["shapes"][shape_name] = run_shape(shape_name, args.rounds, args.figures, names, args.prompt_tokens)
         write(results, Path(args.output), args.name)  # after each shape, so a cut-off run keeps what it measured
 
 
