@@ -3,8 +3,8 @@
 # against the float64 reference (tests/test_cuda.py), then the CUDA benchmark (bench/cuda_benchmark.py).
 # Needs torch with CUDA and the package's requirements; runs from a checkout without installing it (PYTHONPATH=src).
 # Usage: bash scripts/run_cuda_checks.sh [OUTPUT_DIR] [benchmark options...]
-# OUTPUT_DIR: absolute, or relative to the checkout (default bench/results). Benchmark options: --rounds, --shapes, --name
-# (bench/cuda_benchmark.py --help).
+# OUTPUT_DIR: absolute, or relative to the checkout (default bench/results). Benchmark options: --rounds, --shapes,
+# --figures, --models, --prompt-tokens, --name (bench/cuda_benchmark.py --help).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-bench/results}

@@ -633,8 +633,9 @@ DIFFERENTIAL_KERNEL_DISPATCH = [
      "other runs: 0.92x-0.98x); under load the generic path's two calls gave 0.74-0.91x against this kernel's "
      "0.91-0.96x (bench/results/model-kernels-loaded.md); aten ops per step 986 against Llama's 893 "
      "(bench/results/decode_ops.md). Plain bmm and softmax, so it runs on CUDA too. H200, bf16, against the generic "
-     "path's two SDPA calls: 1.09x / 1.08x its tokens/s (b1 / b16) at SmolLM2-135M's shape (3 rounds, inside the "
-     "spread), 0.71x at Llama-3.2-1B's (one round); kept until more rounds decide (bench/results/cuda-h200-*.md)."),
+     "path's two SDPA calls, decoding alone, 6-8 rounds: 0.89x-1.05x its time per token at SmolLM2-135M's and "
+     "Llama-3.2-1B's shapes, 512- and 4096-token prompts, b1 and b16, inside each model's 1.2-1.5x spread: alike, so "
+     "one rule serves every device (bench/results/cuda-h200-decode-*.md)."),
     ("sdpa", "cpu", "prefill", _FULL_PRECISION, "blocked",
      "CPU, fp32, quiet machine, one run (bench/results/model-kernels.md): whole-model prefill 1.04x / 1.09x / 1.15x "
      "Llama at 512 / 2048 / 8192 tokens against 1.18x / 1.26x / 1.43x for the padded call; attention layer at 2048 "
