@@ -99,7 +99,6 @@ def measure(model, inputs, kinds) -> dict:
         before = torch.cuda.memory_allocated()
         figures["train step b1x4096 (s)"] = timed(lambda: training_step(model, inputs["train"]))
         figures["train peak memory (GiB)"] = (torch.cuda.max_memory_allocated() - before) / 2**30
-        model.zero_grad(set_to_none=True)
     with torch.no_grad():
         if "prefill" in kinds:
             figures["prefill 4096 (s)"] = timed(lambda: model(inputs["prefill"], logits_to_keep=1))
