@@ -261,6 +261,10 @@ def test_evaluate_command_writes_json_table_and_plot(tmp_path, tokenizer, capsys
     assert len(lines) == 16 and json.loads(lines[-1])["model"] == "diff"
     a = report["models"][0]["summary"]["allocation"]
     assert a["noise_share"] == pytest.approx(a["noise"] / a["total"])
+    assert a["noise_share"] == pytest.approx(a["prefix_share"] + a["filler_share"] + a["other_needles_share"])
+    parts = next(line for line in table.split("Noise by part")[1].splitlines() if line.startswith("| llama |"))
+    assert [float(x) for x in parts.strip("| ").split(" | ")[1:]] == pytest.approx(
+        [a["prefix_share"], a["filler_share"], a["other_needles_share"], a["noise_share"]], abs=6e-4)
     # Reports of separate runs merge when they were run on the same cases, and only then.
     merged = merge_reports([report, report])
     assert len(merged["models"]) == 4

@@ -467,7 +467,7 @@ def summarize(results: list[dict]) -> dict:
         means = {k: _mean(a[k] for a in rows) for k in (*CATEGORIES, "noise", "total")}
         # Shares of the row total: a differential map's rows sum to 1 - λ, so raw masses of models with different λ
         # (V2's conversion starts at λ = 0.5) are not comparable; their shares are.
-        means.update({f"{k}_share": means[k] / means["total"] for k in ("answer", "noise", "question")})
+        means.update({f"{k}_share": means[k] / means["total"] for k in (*CATEGORIES, "noise")})
         return means
 
     summary = {
@@ -606,6 +606,13 @@ def markdown_report(report: dict, pairs: list[tuple[int, int]] | None = None) ->
         for m in models:
             a = m["summary"]["allocation"] or {}
             lines.append(f"| {m['name']} | " + " | ".join(_num(a.get(k)) for k in (*CATEGORIES, "total")) + " |")
+        # Which part of the noise differs: the attention sink (prefix) and the filler can move in opposite directions.
+        lines += ["", "Noise by part, as shares of the row sum (the noise share above is their sum):", "",
+                  "| model | prefix | filler | other needles | noise |", "|---|---|---|---|---|"]
+        for m in models:
+            a = m["summary"]["allocation"] or {}
+            lines.append(f"| {m['name']} | " + " | ".join(_num(a.get(f"{k}_share")) for k in (*NOISE[::-1], "noise"))
+                         + " |")
     return "\n".join(lines) + "\n"
 
 
