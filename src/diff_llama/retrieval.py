@@ -611,7 +611,8 @@ def markdown_report(report: dict, pairs: list[tuple[int, int]] | None = None) ->
                   "| model | prefix | filler | other needles | noise |", "|---|---|---|---|---|"]
         for m in models:
             a = m["summary"]["allocation"] or {}
-            lines.append(f"| {m['name']} | " + " | ".join(_num(a.get(f"{k}_share")) for k in (*NOISE[::-1], "noise"))
+            lines.append(f"| {m['name']} | " + " | ".join(_num(a.get(f"{k}_share"))
+                                                       for k in ("prefix", "filler", "other_needles", "noise"))
                          + " |")
     return "\n".join(lines) + "\n"
 
