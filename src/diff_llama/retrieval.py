@@ -607,13 +607,12 @@ def markdown_report(report: dict, pairs: list[tuple[int, int]] | None = None) ->
             a = m["summary"]["allocation"] or {}
             lines.append(f"| {m['name']} | " + " | ".join(_num(a.get(k)) for k in (*CATEGORIES, "total")) + " |")
         # Which part of the noise differs: the attention sink (prefix) and the filler can move in opposite directions.
+        parts = ("prefix", "filler", "other_needles", "noise")
         lines += ["", "Noise by part, as shares of the row sum (the noise share above is their sum):", "",
-                  "| model | prefix | filler | other needles | noise |", "|---|---|---|---|---|"]
+                  "| model | " + " | ".join(k.replace("_", " ") for k in parts) + " |", "|---" * (1 + len(parts)) + "|"]
         for m in models:
             a = m["summary"]["allocation"] or {}
-            lines.append(f"| {m['name']} | " + " | ".join(_num(a.get(f"{k}_share"))
-                                                       for k in ("prefix", "filler", "other_needles", "noise"))
-                         + " |")
+            lines.append(f"| {m['name']} | " + " | ".join(_num(a.get(f"{k}_share")) for k in parts) + " |")
     return "\n".join(lines) + "\n"
 
 
