@@ -341,3 +341,15 @@ def test_paired_comparison_is_mcnemars_exact_test(outcomes):
     assert paired_comparison(second, first)["p_value"] == pytest.approx(c["p_value"])
     with pytest.raises(ValueError, match="same cases"):
         paired_comparison(first, second[::-1])
+
+
+def test_evaluate_with_a_missing_model_writes_nothing(tmp_path, tokenizer, capsys):
+    llama = tiny_llama(len(tokenizer))
+    llama.save_pretrained(tmp_path / "llama")
+    tokenizer.save_pretrained(tmp_path / "llama")
+    out = tmp_path / "eval"
+    assert main(["evaluate", str(tmp_path / "llama"), str(tmp_path / "nowhere"), "--output", str(out),
+                 "--lengths", "250", "--settings", "1x1", "--depths", "0", "--cases_per_depth", "1",
+                 "--perplexity_tokens", "0"]) == 2
+    assert "nowhere: no such folder" in capsys.readouterr().err
+    assert not out.exists()
