@@ -21,6 +21,7 @@ Results: bench/results/adaptation.md, .json (every case and every probe) and .pn
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -58,11 +59,22 @@ def run_jobs(jobs: list[Job], slots: int = 2, poll_seconds: float = 5.0) -> None
                 if process.returncode == 0:
                     finished.add(log)
                 else:
-                    failed[log] = process.args
+                    failed[log] = (process.args, process.returncode)
     if failed or waiting:
         skipped = [str(job.log) for job in waiting]
-        sys.exit(f"failed (see the logs): {[' '.join(c) for c in failed.values()]}"
+        sys.exit(f"failed (see the logs): {[describe_failure(*failure) for failure in failed.values()]}"
                  + (f"; not run, as they wait on a failed job: {skipped}" if skipped else ""))
+
+
+def describe_failure(command: list[str], returncode: int) -> str:
+    """The command and how it ended. A killed job's log just stops, so the signal is the only clue to why."""
+    if returncode >= 0:
+        return f"{' '.join(command)} (exit status {returncode})"
+    name = signal.Signals(-returncode).name
+    why = (": most likely the kernel's out-of-memory killer (a training at 4,096 tokens with bf16 autocast reaches "
+           "12-13 GB, so two side by side do not fit in 24 GB); run one job at a time with --jobs 1"
+           if -returncode == signal.SIGKILL else "")
+    return f"{' '.join(command)} (killed by {name}{why})"
 
 
 def check_reused(options: dict, args, folder: str) -> None:
@@ -120,7 +132,12 @@ def main() -> None:
                         default=["eval", "eval4k", "evalhard"],
                         help="evaluations to run and report (evalhard alone: the paired test, a third of the time)")
     parser.add_argument("--output", default=str(RESULTS / "adaptation"), help="results prefix (.md, .json, .png)")
+    parser.add_argument("--jobs", type=int, default=2,
+                        help="trainings and evaluations at a time, one thread each (1 where two would not fit in "
+                        "memory: a training at 4,096 tokens with bf16 autocast reaches 12-13 GB)")
     args = parser.parse_args()
+    if args.jobs < 1:
+        parser.error(f"--jobs must be 1 or more, got {args.jobs}")
     work = Path(args.work)
     hard_lengths = args.hard_lengths or ["2048", str(args.long_length)]
     cli = [sys.executable, "-m", "diff_llama.cli"]
@@ -178,7 +195,7 @@ def main() -> None:
                      work / f"{folder_prefix}-{folder}.log", after=trained_now.get(folder))
                  for model, name, folder in staged
                  if not (work / f"{folder_prefix}-{folder}" / "retrieval.json").exists()]
-    run_jobs(jobs)
+    run_jobs(jobs, slots=args.jobs)
 
     from diff_llama.adaptation import plot_curves
     from diff_llama.retrieval import join_lengths, markdown_report, merge_reports, plot_report

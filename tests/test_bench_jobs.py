@@ -50,3 +50,21 @@ def test_a_failure_skips_its_dependants_and_says_so(tmp_path):
     message = str(failure.value)
     assert "train-bad" in message and "not run" in message and "eval-bad.log" in message
     assert (tmp_path / "eval-good.json").exists() and not (tmp_path / "eval-bad.json").exists()
+
+
+def test_a_killed_job_is_named_with_its_signal_and_the_likely_fix(tmp_path):
+    """The kernel's out-of-memory killer ends a training with SIGKILL and its log just stops: the message says so."""
+    killed = Job([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+                 tmp_path / "train-killed.log")
+    with pytest.raises(SystemExit) as failure:
+        run_jobs([killed, job(tmp_path, "train-failed", 0.1, code=3)], poll_seconds=0.05)
+    message = str(failure.value)
+    assert "killed by SIGKILL" in message and "out-of-memory" in message and "--jobs 1" in message
+    assert "(exit status 3)" in message
+
+
+def test_one_slot_runs_one_job_at_a_time(tmp_path):
+    jobs = [job(tmp_path, name, 0.3) for name in ("first", "second", "third")]
+    run_jobs(jobs, slots=1, poll_seconds=0.05)
+    ran = sorted(spans(tmp_path, ["first", "second", "third"]).values())
+    assert all(later[0] >= earlier[1] for earlier, later in zip(ran, ran[1:]))
