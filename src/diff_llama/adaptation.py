@@ -53,7 +53,9 @@ from .retrieval import TRAINING_CITIES, RetrievalArguments, make_case
 class AdaptationOptions:
     """Options of `diff-llama adapt` (parsed with transformers.HfArgumentParser) and of `adapt`."""
 
-    max_steps: int = field(default=300, metadata={"help": "optimiser steps (one retrieval example each)"})
+    # The defaults are the recipe that met issue 10's target on a CPU with bf16 units (README, "Training for
+    # retrieval"): examples up to 4K tokens, 90 steps (33 CPU-minutes for SmolLM2's V2 conversion there).
+    max_steps: int = field(default=90, metadata={"help": "optimiser steps (one retrieval example each)"})
     max_cpu_minutes: float = field(default=60.0, metadata={
         "help": "stop earlier once the training steps have used this many CPU-minutes (evaluations excluded)"})
     learning_rate: float = field(default=3e-5, metadata={"help": "AdamW learning rate (peak)"})
@@ -65,7 +67,7 @@ class AdaptationOptions:
     differential_warmup_steps: int | None = field(default=None, metadata={
         "help": "DIFF V2: warm-up steps of the λ projection and the second query heads alone (default: warmup_steps)"})
     min_length: int = field(default=384, metadata={"help": "shortest retrieval example, in tokens"})
-    max_length: int = field(default=2048, metadata={"help": "longest retrieval example, in tokens"})
+    max_length: int = field(default=4096, metadata={"help": "longest retrieval example, in tokens"})
     long_length: int = field(default=0, metadata={
         "help": "0: off. Above max_length: a long_fraction share of the retrieval examples is drawn from "
         "(max_length, long_length] tokens instead, so a model sees long contexts for a fraction of their cost"})
@@ -79,7 +81,7 @@ class AdaptationOptions:
     autocast: str = field(default="auto", metadata={
         "help": "autocast dtype of the forward pass: auto (bfloat16 where the CPU has bf16 units, else none), "
         "bfloat16, float16, or none (float32)"})
-    eval_every: int = field(default=100, metadata={"help": "steps between held-out probes (0: only at the end)"})
+    eval_every: int = field(default=45, metadata={"help": "steps between held-out probes (0: only at the end)"})
     eval_cases: int = field(default=2, metadata={"help": "probe cases per (N x R, depth) at each probe length"})
     eval_lengths: list[int] = field(default_factory=lambda: [2048], metadata={"help": "probe context lengths"})
     eval_settings: list[str] = field(default_factory=lambda: ["4x2", "6x2"], metadata={"help": "probe N x R"})
