@@ -16,6 +16,25 @@ class ModelNotFoundError(FileNotFoundError):
     """The argument names no model that can be loaded; the message (one line) says what was tried and the fix."""
 
 
+class NotAModelFolderError(ModelNotFoundError):
+    """A folder without config.json: transformers would fail on it later, naming a tokenizer backend instead."""
+
+
+class MissingTokenizerError(ModelNotFoundError):
+    """A model folder without tokenizer files, such as one where only `model.save_pretrained` was called."""
+
+
+class AdapterFolderError(ModelNotFoundError):
+    """A PEFT (LoRA) adapter folder given where a whole model is expected."""
+
+
+# Files any transformers tokenizer is saved as (fast, sentencepiece, BPE/WordPiece vocabularies, tiktoken, tekken).
+TOKENIZER_FILE_NAMES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+    "vocab.json", "vocab.txt", "merges.txt", "tekken.json",
+)
+
+
 @dataclass(frozen=True)
 class ModelLocation:
     """Where a model lives, in the terms `from_pretrained` takes."""
@@ -77,26 +96,69 @@ def _one_line(error: Exception) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 
 
+def check_model_folder(location: ModelLocation, tokenizer: bool = False) -> None:
+    """Refuse, in one line that names the fix, a local folder that is not a whole model (or, with `tokenizer`, lacks
+    a tokenizer). Without this, transformers fails on such folders while building a tokenizer and blames a missing
+    sentencepiece or tiktoken, which is never the fix."""
+    if not location.is_local or location.gguf_file:
+        return
+    folder = Path(location.name_or_path)
+    if not (folder / "config.json").is_file():
+        adapter_config = folder / "adapter_config.json"
+        if adapter_config.is_file():
+            raise AdapterFolderError(
+                f"{folder} is a LoRA adapter folder (adapter_config.json), not a whole model: load it with peft on its "
+                f"base model {_adapter_base(adapter_config)} (PeftModel.from_pretrained(base_model, '{folder}'), or "
+                f"AutoPeftModelForCausalLM.from_pretrained('{folder}')), or merge it into the base model first."
+            )
+        raise NotAModelFolderError(
+            f"{folder} has no config.json, so it is not a Transformers model folder; give a folder written by "
+            "save_pretrained or diff-llama (config.json, weights, tokenizer), a .gguf file, smollm2 or a Hub id."
+        )
+    if tokenizer and not any((folder / name).is_file() for name in TOKENIZER_FILE_NAMES) \
+            and not any(folder.glob("*.tiktoken")):
+        raise MissingTokenizerError(
+            f"{folder} has a model but no tokenizer (no tokenizer.json or tokenizer_config.json); save the tokenizer "
+            f"of the model it came from into it: AutoTokenizer.from_pretrained(SOURCE).save_pretrained('{folder}')."
+        )
+
+
+def find_model(name: str | os.PathLike, tokenizer: bool = False) -> ModelLocation:
+    """`resolve_model` plus `check_model_folder`: for commands that check all their models before any work."""
+    location = resolve_model(name)
+    check_model_folder(location, tokenizer=tokenizer)
+    return location
+
+
+def _adapter_base(adapter_config: Path) -> str:
+    import json
+
+    try:
+        base = json.loads(adapter_config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    return f"`{base}`" if base else "(adapter_config.json names none: the model it was trained on)"
+
+
 def load_config(name: str | os.PathLike, **kwargs):
     """`AutoConfig.from_pretrained` for any model argument (see `resolve_model`)."""
     from transformers import AutoConfig
 
-    location = resolve_model(name)
-    return _load(AutoConfig, location, **kwargs)
+    return _load(AutoConfig, find_model(name), **kwargs)
 
 
 def load_tokenizer(name: str | os.PathLike, **kwargs):
     """`AutoTokenizer.from_pretrained` for any model argument (see `resolve_model`)."""
     from transformers import AutoTokenizer
 
-    return _load(AutoTokenizer, resolve_model(name), **kwargs)
+    return _load(AutoTokenizer, find_model(name, tokenizer=True), **kwargs)
 
 
 def load_causal_lm(name: str | os.PathLike, **kwargs):
     """`AutoModelForCausalLM.from_pretrained` for any model argument (see `resolve_model`)."""
     from transformers import AutoModelForCausalLM
 
-    return _load(AutoModelForCausalLM, resolve_model(name), **kwargs)
+    return _load(AutoModelForCausalLM, find_model(name), **kwargs)
 
 
 # How a tokenizer was loaded, which `save_pretrained` writes back into tokenizer_config.json (transformers 5.23) and
