@@ -492,10 +492,10 @@ def evaluate_models(models: list[str], options: RetrievalArguments) -> dict:
     names = options.names or [display_name(m) for m in models]
     if len(names) != len(models):
         raise ValueError(f"{len(names)} names for {len(models)} models")
-    from .resolve import resolve_model
+    from .resolve import find_model
 
-    for source in models:  # a missing model stops the run before its output folder is made
-        resolve_model(source)
+    for source in models:  # a missing model (or tokenizer) stops the run before its output folder is made
+        find_model(source, tokenizer=True)
     report = {"options": asdict(options), "models": []}
     Path(options.output).mkdir(parents=True, exist_ok=True)
     progress_file = Path(options.output) / "cases.jsonl"  # results so far, for long runs
