@@ -1,0 +1,170 @@
+"""Every ```python block of README.md and docs/*.md runs as a reader would run it: in a fresh Python.
+
+Each block runs in its own `sys.executable` subprocess (nothing imported beforehand, so a block that forgets
+`import diff_llama` fails here as it would for a user), from a scratch folder that holds what the docs say a reader
+has: the main job's output `outputs/SmolLM2-135M-Instruct-diff` (here a tiny DIFF V2 DiffLlama with a tokenizer).
+Blocks of one page run in order in one folder, so a block may use what an earlier block of its page wrote; pages run
+side by side.
+
+Markers, on the lines just before a block's fence:
+- `<!-- docs-test: skip (reason) -->` skips it (it needs what a test cannot have: the real SmolLM2, a GPU, the
+  Hub, torchrun); the test reports the skip with that reason.
+- `<!-- docs-test: expect "text" -->` requires that text in the block's output (stdout and stderr), so a block that
+  exits 0 without doing what it promises fails.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_FOLDER = Path("outputs") / "SmolLM2-135M-Instruct-diff"  # what `bash scripts/run_main_job.sh` writes
+MARKER = re.compile(r"<!--\s*docs-test:\s*(skip|expect)\s*(.*?)\s*-->")
+FENCE = re.compile(r"^```python\n(.*?)^```", flags=re.DOTALL | re.MULTILINE)
+BLOCK_TIMEOUT = 300
+
+
+@dataclass
+class Block:
+    page: str  # path relative to the repository root
+    line: int
+    code: str
+    skip: str | None = None  # the reason, when skipped
+    expect: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def parse_blocks(text: str, page: str) -> list[Block]:
+    """Every ```python block of a page, with the markers on the lines right above its fence."""
+    lines = text.splitlines()
+    blocks = []
+    for match in FENCE.finditer(text):
+        line = text.count("\n", 0, match.start()) + 1
+        block = Block(page, line, match.group(1))
+        above = line - 2  # index of the line before the fence
+        while above >= 0 and (found := MARKER.search(lines[above])):
+            kind, argument = found.groups()
+            if kind == "skip":
+                reason = argument.strip()
+                block.skip = reason[1:-1] if reason.startswith("(") and reason.endswith(")") else reason
+                if not block.skip:
+                    raise ValueError(f"{page}:{line}: a docs-test skip must give its reason")
+            else:
+                expected = re.fullmatch(r'"(.*)"', argument)
+                if not expected:
+                    raise ValueError(f'{page}:{line}: write expect as <!-- docs-test: expect "text" -->')
+                block.expect.append(expected.group(1))
+            above -= 1
+        blocks.append(block)
+    return blocks
+
+
+def documented_pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def all_blocks() -> list[Block]:
+    blocks = []
+    for page in documented_pages():
+        blocks += parse_blocks(page.read_text(encoding="utf-8"), str(page.relative_to(ROOT)))
+    return blocks
+
+
+def test_the_block_finder_reads_blocks_and_markers():
+    text = (
+        "a\n```python\nx = 1\n```\n"
+        "<!-- docs-test: skip (needs the real SmolLM2) -->\n```python\ny = 2\n```\n"
+        '<!-- docs-test: expect "shape (1, 4)" -->\n<!-- docs-test: expect "done" -->\n```python\nz = 3\n```\n'
+    )
+    first, second, third = parse_blocks(text, "page.md")
+    assert (first.line, first.code, first.skip, first.expect) == (2, "x = 1\n", None, [])
+    assert second.skip == "needs the real SmolLM2"
+    assert third.expect == ["done", "shape (1, 4)"] and third.skip is None
+    with pytest.raises(ValueError, match="reason"):
+        parse_blocks("<!-- docs-test: skip -->\n```python\nx\n```\n", "page.md")
+
+
+def test_the_docs_keep_their_examples():
+    blocks = all_blocks()
+    assert len([b for b in blocks if b.page == "README.md" and not b.skip]) >= 1, "the README lost its quickstart"
+    assert len([b for b in blocks if not b.skip]) >= 8, "the docs lost their examples (or the block finder broke)"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running the pages: one scratch folder per page, its blocks in order, two pages at a time.
+
+class PageRuns:
+    def __init__(self, base: Path, workers: int):
+        self.base = base
+        self.pool = ThreadPoolExecutor(max_workers=workers)
+        self.futures = {}
+        self.lock = threading.Lock()
+
+    def result(self, block: Block, pages: list[str]) -> dict:
+        with self.lock:  # the first request starts every page the session will ask for
+            for page in [block.page, *pages]:
+                if page not in self.futures:
+                    self.futures[page] = self.pool.submit(self.run_page, page)
+        return self.futures[block.page].result()[block.line]
+
+    def run_page(self, page: str) -> dict:
+        folder = self.base / re.sub(r"[^A-Za-z0-9]+", "_", page)
+        shutil.copytree(self.base / "reader", folder)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                   OMP_NUM_THREADS="1", MPLBACKEND="Agg")
+        env.pop("PYTHONPATH", None)
+        results = {}
+        for block in parse_blocks((ROOT / page).read_text(encoding="utf-8"), page):
+            if block.skip:
+                continue
+            script = folder / f"block_{block.line}.py"
+            script.write_text(block.code, encoding="utf-8")
+            try:
+                done = subprocess.run([sys.executable, script.name], cwd=folder, env=env, capture_output=True,
+                                      text=True, timeout=BLOCK_TIMEOUT)
+                results[block.line] = {"rc": done.returncode, "output": done.stdout + done.stderr}
+            except subprocess.TimeoutExpired:
+                results[block.line] = {"rc": "timeout", "output": f"still running after {BLOCK_TIMEOUT} s"}
+            script.unlink()
+        return results
+
+
+@pytest.fixture(scope="module")
+def page_runs(tmp_path_factory, tokenizer):
+    base = tmp_path_factory.mktemp("docs")
+    reader = base / "reader"  # what a reader has after `bash scripts/run_main_job.sh`
+    model = tiny_model(vocab_size=len(tokenizer), diff_version=2)
+    model.save_pretrained(reader / MODEL_FOLDER)
+    tokenizer.save_pretrained(reader / MODEL_FOLDER)
+    runs = PageRuns(base, workers=int(os.environ.get("DOCS_TEST_WORKERS", "2")))
+    yield runs
+    runs.pool.shutdown(wait=True, cancel_futures=True)
+
+
+BLOCKS = all_blocks()
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.name for b in BLOCKS])
+def test_documented_python_block_runs_in_a_fresh_python(block, page_runs, request):
+    if block.skip:
+        pytest.skip(f"{block.name}: {block.skip}")
+    pages = sorted({item.callspec.params["block"].page for item in request.session.items
+                    if item.originalname == request.node.originalname and hasattr(item, "callspec")})
+    result = page_runs.result(block, pages)
+    tail = result["output"][-3000:]
+    assert result["rc"] == 0, f"{block.name} fails in a fresh Python (exit {result['rc']}):\n{tail}"
+    for text in block.expect:
+        assert text in result["output"], f"{block.name} ran but did not print {text!r}:\n{tail}"
