@@ -6,13 +6,14 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
 from tqdm.auto import tqdm
 from transformers.utils.hub import convert_file_size_to_int
 
-from .. import configuration_diff_llama, modeling_diff_llama
+from diff_llama_cli.options import ConversionOptions
+
+from .. import configuration_diff_llama
 from ..configuration_diff_llama import DiffLlamaConfig
 from ..corpus import CALIBRATION_MODULES, HELD_OUT_MODULES, stdlib_docstrings
 from ..modeling_diff_llama import LAMBDA_VECTOR_NAMES, lambda_init_fn
@@ -81,41 +82,6 @@ def checkpoint_schema(config, layer_tensors=LAYER_TENSORS) -> dict:
     if not config.tie_word_embeddings:
         schema["lm_head.weight"] = (config.vocab_size, config.hidden_size)
     return schema
-
-
-@dataclass
-class ConversionOptions:
-    """How to convert; every field is also a `diff-llama convert` option (`--head-layout`, ...). The defaults give the
-    most faithful model."""
-
-    head_layout: Literal["expand", "split"] = field(default="expand", metadata={"help": (
-        "version 1: expand: each LLaMA head gets its own differential head (2x attention width, keeps the LLaMA's quality); "
-        "split: same width, LLaMA head i + H/2 becomes the second map of head i (loses more)")})
-    pad_odd_heads: bool = field(default=True, metadata={"help": (
-        "version 1: with --head-layout split and an odd head count, add a KV group of zero heads (--no-pad-odd-heads refuses "
-        "instead)")})
-    lambda_start: Literal["zero", "paper"] = field(default="zero", metadata={"help": (
-        "version 1: zero: λ = 0 with a non-zero gradient; paper: λ vectors drawn from N(0, lambda_std_dev)")})
-    calibration: Literal["lstsq", "scale", "none"] = field(default="lstsq", metadata={"help": (
-        "version 1: lstsq: refit each layer's o_proj by least squares; scale: per-head scale only; none: no text needed")})
-    calibration_text: str | None = field(default=None, metadata={"help": (
-        "version 1: calibration text file (default: built-in English text, Python standard-library docstrings)")})
-    calibration_tokens: int = field(default=8192, metadata={"help": "version 1: tokens of calibration text to use"})
-    head_norm_headroom: float = field(default=0.01, metadata={"help": (
-        "version 1: set each layer's head-norm epsilon to its heads' mean square / this, where the norm is nearly "
-        "linear; weights keep the LLaMA's scale (0 keeps rms_norm_eps; larger is closer to the paper's regime, less "
-        "faithful)")})
-    evaluate: bool = field(default=True, metadata={"help": (
-        "measure held-out perplexity and KL of source and converted model (--no-evaluate skips it)")})
-    eval_text: str | None = field(default=None, metadata={"help": "held-out text file (default: built-in)"})
-    eval_tokens: int = field(default=2048, metadata={"help": "tokens of held-out text to score"})
-    seq_len: int = field(default=512, metadata={"help": "sequence length of calibration and evaluation windows"})
-    max_shard_size: str = field(default="2GB", metadata={"help": (
-        "largest safetensors shard, e.g. 500MB or 5GB, as in save_pretrained (Python callers may give bytes)")})
-    seed: int = field(default=0, metadata={"help": "seed of the λ vectors"})
-    diff_version: int = field(default=2, metadata={"choices": [1, 2], "help": (
-        "differential attention of the converted model: 2 = DIFF V2 (Microsoft, 2026), an exact conversion (the "
-        "default); 1 = the paper's, calibrated (the options above marked version 1 apply to it only)")})
 
 
 # Options that shape only a version 1 conversion: given to a DIFF V2 conversion they would be silently ignored.
@@ -394,8 +360,8 @@ def convert_llama_to_diff_llama(
         if head_norm_eps and head_norm_eps != [config.rms_norm_eps] * len(head_norm_eps):
             diff_config.head_norm_eps = head_norm_eps
         diff_config.save_pretrained(folder)
-        for module in (configuration_diff_llama, modeling_diff_llama):  # remote code next to the weights
-            shutil.copyfile(module.__file__, folder / Path(module.__file__).name)
+        for name in configuration_diff_llama.REMOTE_CODE_FILES:  # remote code next to the weights
+            shutil.copyfile(Path(configuration_diff_llama.__file__).with_name(name), folder / name)
         _copy_side_files(src, folder, tokenizer)
 
         report = ConversionReport(
