@@ -1,13 +1,16 @@
 """Auto-class registration next to the built-in `diffllama`, and loading as remote code without the package."""
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -16,9 +19,12 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.dynamic_module_utils import get_relative_import_files
 
 import diff_llama
 from conftest import tiny_config, tiny_model
+from diff_llama.configuration_diff_llama import REMOTE_CODE_FILES
 
 HEADS = {
     AutoModel: diff_llama.DiffLlamaModel,
@@ -53,8 +59,7 @@ def test_save_pretrained_writes_code_and_full_auto_map(tmp_path):
         "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification",
         "AutoModelForTokenClassification", "AutoModelForQuestionAnswering",
     }
-    assert (tmp_path / "modeling_diff_llama.py").exists()
-    assert (tmp_path / "configuration_diff_llama.py").exists()
+    assert sorted(path.name for path in tmp_path.glob("*.py")) == sorted(REMOTE_CODE_FILES)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert type(loaded) is diff_llama.DiffLlamaForCausalLM
 
@@ -69,10 +74,14 @@ REMOTE_SCRIPT = textwrap.dedent(
     except ImportError:
         pass
     import torch, transformers
-    folder, auto_name, inputs_path, outputs_path = sys.argv[1:]
+    folder, auto_name, inputs_path, outputs_path, code_files = sys.argv[1:]
     auto_class = getattr(transformers, auto_name)
     model = auto_class.from_pretrained(folder, trust_remote_code=True).eval()
     assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    # Every code file ran from the saved folder's copy (the modeling file's siblings included).
+    loaded = {name.rsplit(".", 1)[-1] for name in sys.modules if name.startswith("transformers_modules.")}
+    missing = {name.removesuffix(".py") for name in code_files.split(",")} - loaded
+    assert not missing, f"not loaded from the saved folder: {missing}"
     with torch.no_grad():
         out = model(torch.load(inputs_path))
     first = out.logits if hasattr(out, "logits") else out[0]
@@ -98,13 +107,68 @@ def test_remote_code_loads_in_fresh_process_without_package(tmp_path, auto_class
         out = model(input_ids)
     expected = out.logits if hasattr(out, "logits") else out[0]
 
+    result = _load_remote(tmp_path, folder, auto_class)
+    assert result.returncode == 0, result.stderr[-3000:]
+    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), expected, rtol=0, atol=0)
+
+
+def _load_remote(tmp_path, folder, auto_class):
+    """Run REMOTE_SCRIPT on `folder` in a fresh process where diff_llama cannot be imported."""
     script = tmp_path / "load_remote.py"
     script.write_text(REMOTE_SCRIPT)
     env = {"HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "PATH": "/usr/bin:/bin"}
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(script), str(folder), auto_class.__name__, str(tmp_path / "inputs.pt"),
-         str(tmp_path / "out.pt")],
+         str(tmp_path / "out.pt"), ",".join(REMOTE_CODE_FILES)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), expected, rtol=0, atol=0)
+
+
+def test_remote_code_files_are_what_the_modeling_file_imports():
+    """REMOTE_CODE_FILES (what saving, converting and pushing ship) is the configuration, the modeling file and every
+    file the modeling file imports relatively: what transformers copies and loads as remote code."""
+    package = Path(diff_llama.__file__).parent
+    needed = {Path(path).name for path in get_relative_import_files(package / "modeling_diff_llama.py")}
+    assert set(REMOTE_CODE_FILES) == {"configuration_diff_llama.py", "modeling_diff_llama.py"} | needed
+    assert len(REMOTE_CODE_FILES) == len(set(REMOTE_CODE_FILES))
+
+
+@pytest.mark.parametrize("sibling", [name for name in REMOTE_CODE_FILES if name != "modeling_diff_llama.py"])
+def test_remote_code_needs_every_shipped_file(tmp_path, sibling):
+    """Without one of the shipped files the fresh process cannot load the model: the remote-code test above really
+    runs the saved copies, not this package."""
+    folder = tmp_path / "model"
+    tiny_model().save_pretrained(folder)
+    torch.save(torch.randint(3, 128, (1, 4)), tmp_path / "inputs.pt")
+    (folder / sibling).unlink()
+    result = _load_remote(tmp_path, folder, AutoModelForCausalLM)
+    assert result.returncode != 0
+    assert sibling.removesuffix(".py") in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("diff_version", [1, 2])
+@pytest.mark.parametrize("model_class", list(HEADS.values()))
+def test_reverse_loading_mapping(tmp_path, model_class, diff_version):
+    """What transformers' own `test_reverse_loading_mapping` checks: the model registers checkpoint renamings; saving
+    reverts them (the saved keys differ from the model's); every source pattern of every renaming matches a saved key
+    of this version's checkpoint; and loading then saving again gives the same state dicts."""
+    torch.manual_seed(0)
+    model = model_class(tiny_config(num_labels=3, diff_version=diff_version))
+    conversions = get_model_conversion_mapping(model, add_legacy=False)
+    assert conversions
+    model.save_pretrained(tmp_path / "from_init")
+    saved = load_file(tmp_path / "from_init" / "model.safetensors")
+    assert sorted(saved) != sorted(model.state_dict())
+    for conversion in conversions:
+        for pattern in conversion.source_patterns:
+            assert any(re.search(pattern, key) for key in saved), f"{pattern!r} matches no saved key"
+
+    reloaded = model_class.from_pretrained(tmp_path / "from_init")
+    assert list(reloaded.state_dict()) == list(model.state_dict())
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(reloaded.state_dict()[name], tensor, rtol=0, atol=0)
+    reloaded.save_pretrained(tmp_path / "from_pretrained")
+    resaved = load_file(tmp_path / "from_pretrained" / "model.safetensors")
+    assert sorted(resaved) == sorted(saved)
+    for name, tensor in saved.items():
+        torch.testing.assert_close(resaved[name], tensor, rtol=0, atol=0)

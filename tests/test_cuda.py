@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 import torch
 
-import diff_llama.modeling_diff_llama as modeling
+import diff_llama.differential_kernels as modeling  # BLOCKED_KERNEL_ROWS is read there
 from conftest import tiny_model
 from diff_llama.modeling_diff_llama import ALL_DIFFERENTIAL_KERNELS, select_differential_kernel
 from reference import checkpoint_state_dict, reference_forward

@@ -107,7 +107,7 @@ def test_fsdp2_on_cpu_matches_single_process_training_and_saves_a_loadable_folde
 
     # Saved whole, with this package's code (not torch's FSDP files) and an auto_map naming our classes.
     saved = tmp_path / "saved"
-    assert sorted(p.name for p in saved.glob("*.py")) == ["configuration_diff_llama.py", "modeling_diff_llama.py"]
+    assert sorted(p.name for p in saved.glob("*.py")) == sorted(diff_llama.configuration_diff_llama.REMOTE_CODE_FILES)
     config = json.loads((saved / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_diff_llama.DiffLlamaForCausalLM"
     assert config["architectures"] == ["DiffLlamaForCausalLM"]

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+import diff_llama.differential_kernels as kernels
 import diff_llama.modeling_diff_llama as modeling
 from conftest import tiny_model
 from diff_llama.modeling_diff_llama import (
@@ -264,8 +265,8 @@ def test_private_cpu_flash_op_missing_falls_back_to_generic():
     assert select_differential_kernel(attention, query, key, None).function is (
         ALL_DIFFERENTIAL_KERNELS["paired_sdpa_cpu"].function)
     with_op = model(input_ids, labels=input_ids).loss
-    with mock.patch.object(modeling, "_has_cpu_flash_attention", lambda: False), \
-            mock.patch.object(modeling.CausalPairedAttentionCPU, "apply", side_effect=AssertionError("private op")):
+    with mock.patch.object(kernels, "_has_cpu_flash_attention", lambda: False), \
+            mock.patch.object(kernels.CausalPairedAttentionCPU, "apply", side_effect=AssertionError("private op")):
         assert select_differential_kernel(attention, query, key, None).function is not (
             ALL_DIFFERENTIAL_KERNELS["paired_sdpa_cpu"].function)
         without_op = model(input_ids, labels=input_ids).loss
@@ -277,7 +278,7 @@ def test_registered_kernel_is_selectable_and_used():
 
     def traced_generic(module, *args, **kwargs):
         calls.append(args[0].shape)
-        return modeling.generic_differential_attention(module, *args, **kwargs)
+        return kernels.generic_differential_attention(module, *args, **kwargs)
 
     DifferentialAttentionInterface.register("traced", DifferentialKernel(traced_generic))
     try:

@@ -6,8 +6,16 @@ Imports only torch/transformers so that it also works as remote code (`trust_rem
 
 from transformers import PreTrainedConfig
 
-# Written into every saved config so that the checkpoint loads with `trust_remote_code=True` where this package is
-# not installed (save_pretrained alone records only the class being saved).
+# The code a saved model ships with, so that it loads with `trust_remote_code=True` where this package is not
+# installed: this file, the modeling file and the siblings the modeling file imports. Saving, converting and pushing
+# all use this list.
+REMOTE_CODE_FILES = (
+    "configuration_diff_llama.py",
+    "modeling_diff_llama.py",
+    "differential_kernels.py",
+    "tensor_parallel_diff_llama.py",
+)
+# Written into every saved config (save_pretrained alone records only the class being saved).
 AUTO_MAP = {
     "AutoConfig": "configuration_diff_llama.DiffLlamaConfig",
     "AutoModel": "modeling_diff_llama.DiffLlamaModel",
@@ -46,7 +54,7 @@ class DiffLlamaConfig(PreTrainedConfig):
         differential_kernel (`str`, *optional*):
             Version 1: the differential attention kernel to use where it applies ("generic", "blocked", "decode",
             "paired_sdpa_cpu", or one registered with `DifferentialAttentionInterface`); `None` (the default) picks
-            one per attention backend, device and step (see `DIFFERENTIAL_KERNEL_DISPATCH` in the modeling file).
+            one per attention backend, device and step (`DIFFERENTIAL_KERNEL_DISPATCH` in `differential_kernels.py`).
             `model.set_differential_kernel(name)` sets it. Every kernel computes the same function.
         attention_dropout (`float`, defaults to 0.0):
             Must be 0: the paper defines no dropout for the differential map (see the error message).
@@ -122,9 +130,9 @@ class DiffLlamaConfig(PreTrainedConfig):
 
     @property
     def base_model_tp_plan(self) -> dict[str, str]:
-        """Tensor-parallel plan (`tp_plan="auto"`). The attention styles are defined in the modeling file: version 1
-        splits q/k/v as packed halves (maps i and i + H/2 on one rank), DIFF V2 as blocks of adjacent pairs; λ of
-        version 1 is replicated. A layout the TP size cannot split is refused when the model is sharded."""
+        """Tensor-parallel plan (`tp_plan="auto"`). The attention styles are defined in `tensor_parallel_diff_llama.py`:
+        version 1 splits q/k/v as packed halves (maps i and i + H/2 on one rank), DIFF V2 as blocks of adjacent pairs;
+        λ of version 1 is replicated. A layout the TP size cannot split is refused when the model is sharded."""
         plan = {
             "layers.*.self_attn": "diff_llama_attention",
             "layers.*.self_attn.q_proj": "diff_llama_heads",
@@ -202,4 +210,4 @@ class DiffLlamaConfig(PreTrainedConfig):
             )
 
 
-__all__ = ["DiffLlamaConfig"]
+__all__ = ["DiffLlamaConfig", "REMOTE_CODE_FILES"]

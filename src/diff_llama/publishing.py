@@ -6,9 +6,9 @@
 import json
 from pathlib import Path
 
+from .configuration_diff_llama import REMOTE_CODE_FILES
 from .model_card import build_model_card
 
-CODE_FILES = ("configuration_diff_llama.py", "modeling_diff_llama.py")
 # Training leftovers that do not belong in a published model.
 IGNORE_PATTERNS = ["checkpoint-*", "checkpoint-*/**", ".*", "**/.*", "runs/**", "__pycache__/**", "*.pyc"]
 
@@ -31,7 +31,7 @@ def check_publishable(folder: str | Path) -> dict:
                          "huggingface_hub (hf upload) instead.")
     if not any(folder.glob("*.safetensors")):
         raise ValueError(f"{folder} has no .safetensors weights.")
-    missing = [name for name in CODE_FILES if not (folder / name).exists()]
+    missing = [name for name in REMOTE_CODE_FILES if not (folder / name).exists()]
     if missing or "auto_map" not in config:
         raise ValueError(f"{folder} lacks the remote code ({', '.join(missing) or 'auto_map in config.json'}), so "
                          "it would not load with trust_remote_code=True; re-save it with diff_llama imported.")

@@ -31,7 +31,7 @@ from .head_layout import (
     split_layout,
     zero_lambda_vectors,
 )
-from .source import FLOAT_DTYPES, SAFETENSORS_DTYPES, TOKENIZER_FILES, LlamaSource, open_source
+from .source import FLOAT_DTYPES, SAFETENSORS_DTYPES, TOKENIZER_FILES, LlamaSource, open_source, source_license
 from .writer import AtomicOutputFolder, StreamingSafetensorsWriter
 
 # The checkpoint's tensor schema, in one place: the tensors of one LLaMA decoder layer in the order the converter
@@ -115,6 +115,7 @@ class ConversionReport:
     seconds: float
     quality: dict = field(default_factory=dict)
     layers: list = field(default_factory=list)
+    source_license: dict = field(default_factory=dict)  # model-card licence metadata of the source, when it states one
 
     def summary(self) -> str:
         how = (
@@ -375,6 +376,7 @@ def convert_llama_to_diff_llama(
             seconds=time.perf_counter() - started,
             quality=quality,
             layers=layer_diagnostics,
+            source_license=source_license(src),
         )
         (folder / "conversion_report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
         write_model_card(folder, location=report.output)

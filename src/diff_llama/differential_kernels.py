@@ -1,0 +1,517 @@
+# Copyright 2026 The diff-llama authors. Licensed under the Apache License, Version 2.0.
+"""Differential attention kernels (version 1), their registry and the one place that picks them.
+
+A differential kernel maps the attention inputs after RoPE, the cache and the GQA expansion (query (batch, H, q, d);
+key/value (batch, G', k, d), G' even, each half of the query heads reading its own half of them) to the differential
+heads' outputs before the head norm, (batch, q, H/2, 2d) in λ's dtype, and the softmax maps when it has them. Every
+kernel computes the same function; they differ in what they cost where. DIFF V2 runs one ordinary attention call (any
+backend) and needs no differential kernel.
+
+Imports only torch and transformers: it ships next to the modeling file as remote code.
+"""
+
+import math
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch import nn
+
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import repeat_kv
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs
+from transformers.utils.generic import GeneralInterface
+
+
+def _float32_or_wider(dtype: torch.dtype) -> torch.dtype:
+    """torch.promote_types(dtype, float32) for real dtypes, in Python: the torch call is an aten op of its own."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama's eager attention, with the softmax in float32 or wider: a float64 model keeps float64 maps (Llama's
+    float32 cast turns a float64 mask's minimum into -inf and fully padded rows into NaN)."""
+    key_states = repeat_kv(key, module.num_key_value_groups)
+    value_states = repeat_kv(value, module.num_key_value_groups)
+
+    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+
+    softmax_dtype = torch.promote_types(query.dtype, torch.float32)
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=softmax_dtype).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value_states)
+    attn_output = attn_output.transpose(1, 2).contiguous()
+    return attn_output, attn_weights
+
+
+def differential_decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    lambda_full: torch.Tensor,
+) -> torch.Tensor:
+    """(A1 − λ·A2)·V_i for ONE query token, for every differential head i: (batch, 1, H/2, 2d) in λ's dtype.
+
+    Decoding reads the whole cache for one token, so the cost is memory traffic and the number of ops. This reads
+    the keys once and the values once and copies nothing the size of the cache (two matmuls around a softmax), where
+    the generic path runs two backend calls on two copies of the values. `key`/`value` hold an even number G of heads, half
+    of the query heads on each half of them (what `DiffLlamaAttention` passes). Masks are those of the SDPA
+    interface: None, boolean (True = attend) or additive.
+    """
+    batch, num_heads, _, head_dim = query.shape
+    kv_heads, key_len = key.shape[1], key.shape[2]
+    group = num_heads // kv_heads
+    # 3-D views and bmm: matmul on 4-D tensors adds a dozen aten ops of expands and reshapes, and a decoding step
+    # pays for every op. Query heads of one key/value head are the rows: (batch * G, group, d).
+    rows = query.reshape(batch * kv_heads, group, head_dim)
+    rows = torch.add(rows, rows, alpha=scaling - 1)  # rows·scaling in one op (a Python multiplier costs five)
+    scores = torch.bmm(rows, key.reshape(batch * kv_heads, key_len, head_dim).transpose(1, 2))
+    if attention_mask is not None:
+        view = scores.view(batch, kv_heads, group, key_len)
+        if attention_mask.dtype == torch.bool:
+            scores = torch.where(attention_mask, view, torch.finfo(scores.dtype).min).view_as(scores)
+        else:
+            scores = (view + attention_mask).view_as(scores)
+    softmax_dtype = _float32_or_wider(query.dtype)
+    # softmax's dtype argument costs an op even when it changes nothing
+    maps = torch.softmax(scores, -1) if scores.dtype == softmax_dtype else torch.softmax(scores, -1, dtype=softmax_dtype)
+    # Every value head must be read by the maps of both halves: next to each value head, stack the maps of the same
+    # position in both halves (map 1, then map 2), so that one bmm gives every (map, value half) product. One copy
+    # (in the value dtype) builds it for both value halves: (batch, value half, G/2, 2 maps, group, T).
+    by_position = maps.view(batch, 2, kv_heads // 2, group, key_len).transpose(1, 2)  # (batch, G/2, map, group, T)
+    both = maps.new_empty(batch, 2, kv_heads // 2, 2, group, key_len, dtype=value.dtype)
+    both.copy_(by_position.unsqueeze(1))
+    products = torch.bmm(both.view(batch * kv_heads, 2 * group, key_len),
+                         value.reshape(batch * kv_heads, key_len, head_dim))
+    products = products.view(batch, 2, kv_heads // 2, 2, group, head_dim)
+    if products.dtype != lambda_full.dtype:
+        products = products.to(lambda_full.dtype)
+    # products[:, a, :, m] = A(map m)·V(half a): the differential map applied to value half a is m=0 − λ·(m=1).
+    differential = torch.addcmul(products[:, :, :, 0], products[:, :, :, 1], lambda_full, value=-1)
+    # (batch, value half, G/2, group, d) -> (batch, 1, H/2, 2d): differential head i = (G/2 position, group row). (An
+    # `out=` straight into that layout would save the copy, but torch.compile refuses a non-contiguous `out=`.)
+    return differential.permute(0, 2, 3, 1, 4).reshape(batch, 1, num_heads // 2, 2 * head_dim)
+
+
+def _pad_to_pairs(query, key, value):
+    """The one-call layout of the prefill path: queries and keys with d zero channels; for every key/value head, the
+    value pair [v(first half), v(second half)] of the differential heads it serves."""
+    head_dim = query.shape[-1]
+    value_pairs = torch.cat(value.chunk(2, dim=1), dim=-1)
+    return (
+        nn.functional.pad(query, (0, head_dim)),
+        nn.functional.pad(key, (0, head_dim)),
+        torch.cat([value_pairs, value_pairs], dim=1),
+    )
+
+
+def _has_cpu_flash_attention() -> bool:
+    """The private aten ops of `CausalPairedAttentionCPU`. Present since torch 2.2; a private op may go away, so the
+    dispatch checks before using them and falls back to the generic path (tested by hiding them)."""
+    return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu") and hasattr(
+        torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"
+    )
+
+
+class CausalPairedAttentionCPU(torch.autograd.Function):
+    """Training on CPU, causal, no padding mask: the fused SDPA kernel on the padded layout of `_pad_to_pairs`, but
+    saving for backward only the d-wide query, key and value (and the output), not their padded copies. The padded
+    layout is rebuilt in backward, which costs three concatenations. Output: (batch, H, seq, 2d)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, scaling):
+        output, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            *_pad_to_pairs(query, key, value), 0.0, True, scale=scaling
+        )
+        ctx.save_for_backward(query, key, value, output, logsumexp)
+        ctx.scaling = scaling
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, key, value, output, logsumexp = ctx.saved_tensors
+        head_dim = query.shape[-1]
+        grad_query, grad_key, grad_value = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_output.contiguous(), *_pad_to_pairs(query, key, value), output, logsumexp, 0.0, True,
+            scale=ctx.scaling,
+        )
+        grad_pairs = sum(grad_value.chunk(2, dim=1))  # both halves of the heads read the same value pairs
+        grad_value = torch.cat(grad_pairs.split(head_dim, dim=-1), dim=1)
+        return grad_query[..., :head_dim], grad_key[..., :head_dim], grad_value, None
+
+
+def _future_is_masked(attention_mask: torch.Tensor, query_len: int, key_len: int) -> bool:
+    """Whether no query may see a key after its own position, the queries being the last `query_len` positions (any
+    causal mask, padded or not), so that the key columns right of a row block can be skipped. One pass over the mask
+    per call; a custom mask that lets queries see the future keeps every column."""
+    future = torch.ones(query_len, key_len, dtype=torch.bool, device=attention_mask.device)
+    future = future.triu_(key_len - query_len + 1)
+    mask = attention_mask[..., -query_len:, :key_len]
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    return not bool((allowed & future).any())
+
+
+def _block_masking(attention_mask, block_size, device):
+    """What `_mask_block` applies, prepared once per call rather than once per block (on a busy CPU every op of a
+    multi-threaded kernel waits for its threads): causal, the future pattern of a diagonal block; boolean, the
+    positions to hide; additive, the mask itself."""
+    if attention_mask is None:
+        return torch.ones(block_size, block_size, dtype=torch.bool, device=device).triu_(1)
+    return ~attention_mask if attention_mask.dtype == torch.bool else attention_mask
+
+
+def _mask_block(scores, attention_mask, masking, start, stop, columns, offset, group):
+    """Mask the scores of query rows start..stop (rows ordered (token, query head of the group)) in place."""
+    batch, kv_heads, _, _ = scores.shape
+    rows = stop - start
+    view = scores.view(batch, kv_heads, rows, group, columns)
+    if attention_mask is None:
+        # Causal, no padding: only the block's last `rows` columns hold future keys (the columns stop at the block's
+        # last row).
+        if rows > 1:
+            view[..., start + offset :].masked_fill_(masking[:rows, None, :rows], float("-inf"))
+        return scores
+    mask = masking[:, :, start:stop, :columns, None].transpose(-1, -2)  # (batch, 1, rows, 1, columns)
+    if attention_mask.dtype == torch.bool:
+        # The most negative finite value, as eager's additive masks: a fully masked (padded) row stays finite.
+        view.masked_fill_(mask, torch.finfo(scores.dtype).min)
+    else:
+        view.add_(mask.to(scores.dtype))
+    return scores
+
+
+def _query_rows(query: torch.Tensor, scaling: float, kv_heads: int) -> torch.Tensor:
+    """Scaled queries (batch, H, q, d) as rows of their key/value head, (batch, G, q·H/G, d), ordered (token, query
+    head of the group): a block of tokens is then a contiguous slice of rows."""
+    batch, num_heads, query_len, head_dim = query.shape
+    group = num_heads // kv_heads
+    rows = (query * scaling).view(batch, kv_heads, group, query_len, head_dim).transpose(2, 3)
+    return rows.reshape(batch, kv_heads, query_len * group, head_dim)
+
+
+def _block_buffer(buffer: torch.Tensor, *shape: int) -> torch.Tensor:
+    """A contiguous (shape) view of the start of a flat buffer allocated once per call: on CPU, allocating a fresh
+    block-sized tensor for every block costs more than the block's softmax."""
+    return buffer[: math.prod(shape)].view(shape)
+
+
+def _score_buffer(query, key, block_size, group, dtype) -> torch.Tensor:
+    """The flat buffer that every block of one call writes its scores into: a block's rows against every key column."""
+    return query.new_empty(key.shape[0] * key.shape[1] * min(block_size, query.shape[2]) * group * key.shape[2],
+                           dtype=dtype)
+
+
+def _block_scores(query_rows, key, attention_mask, masking, start, stop, offset, skip_future, group, buffer):
+    """Masked scores of query tokens start..stop against the key columns they may see, written into `buffer` (flat,
+    float32 or wider): (scores, rows, columns)."""
+    rows = slice(start * group, stop * group)
+    columns = stop + offset if skip_future else key.shape[2]
+    batch, kv_heads = key.shape[:2]
+    scores = _block_buffer(buffer, batch, kv_heads, (stop - start) * group, columns)
+    if buffer.dtype == query_rows.dtype:
+        torch.matmul(query_rows[:, :, rows], key[:, :, :columns].transpose(2, 3), out=scores)
+    else:  # bf16/fp16 matmul on the CPU's low-precision units, scores kept in float32
+        scores.copy_(torch.matmul(query_rows[:, :, rows], key[:, :, :columns].transpose(2, 3)))
+    return _mask_block(scores, attention_mask, masking, start, stop, columns, offset, group), rows, columns
+
+
+class BlockedDifferentialAttention(torch.autograd.Function):
+    """Exact differential attention by blocks of query rows: (batch, q_len, H/2, 2d), before the head norm.
+
+    For each block of query rows it forms the full score rows of both maps (Q·Kᵀ costs Llama's), an exact softmax,
+    then A1 − λ·A2, one map per differential head, which meets the 2d-wide value pair once (A·V costs Llama's too:
+    H/2 maps x 2d = H maps x d). Key columns right of the block are skipped when the mask is causal. Backward
+    recomputes each block from q, k, v, λ and the saved row statistics (maximum, sum), so memory stays linear in the sequence
+    length. Matmuls run in the input dtype (bf16 keeps the CPU's bf16 units); softmax, A1 − λ·A2 and the row
+    statistics in float32 or wider.
+
+    Inputs as `differential_decode_attention`'s: query (batch, H, q_len, d), key/value (batch, G, kv_len, d) with G
+    even and query head h reading key/value head h // (H / G); λ a 0-d tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, lambda_full, attention_mask, scaling, block_size, offset, skip_future):
+        batch, num_heads, query_len, head_dim = query.shape
+        kv_heads = key.shape[1]
+        group, half = num_heads // kv_heads, kv_heads // 2
+        softmax_dtype = torch.promote_types(query.dtype, torch.float32)
+        rows_query = _query_rows(query, scaling, kv_heads)
+        key = key.contiguous()  # sliced per block: a strided key would be copied by every matmul
+        value_pairs = torch.cat((value[:, :half], value[:, half:]), dim=-1)  # (batch, G/2, kv_len, 2d)
+        lam = lambda_full.to(softmax_dtype)
+        output = query.new_empty(batch, query_len, half, group, 2 * head_dim, dtype=softmax_dtype)
+        save_statistics = any(ctx.needs_input_grad[:4])
+        if save_statistics:  # row maximum and sum of exp(score - maximum), per map and query row
+            row_max = query.new_empty(batch, kv_heads, query_len * group, 1, dtype=softmax_dtype)
+            row_sum = torch.empty_like(row_max)
+        masking = _block_masking(attention_mask, block_size, query.device)
+        score_buffer = _score_buffer(query, key, block_size, group, softmax_dtype)
+        block_buffer = value.new_empty(batch * half * min(block_size, query_len) * group * 2 * head_dim)
+        for start in range(0, query_len, block_size):
+            stop = min(start + block_size, query_len)
+            scores, rows, columns = _block_scores(rows_query, key, attention_mask, masking, start, stop, offset,
+                                                  skip_future, group, score_buffer)
+            if save_statistics:
+                # Not a single log-sum-exp: for a fully masked (padded) row, min + log(n) rounds to min, and the
+                # recomputed map would not be eager's uniform one.
+                torch.amax(scores, dim=-1, keepdim=True, out=row_max[:, :, rows])
+                maps = scores.sub_(row_max[:, :, rows]).exp_()
+                torch.sum(maps, dim=-1, keepdim=True, out=row_sum[:, :, rows])
+                maps = maps.div_(row_sum[:, :, rows])
+            else:
+                maps = torch.softmax(scores, dim=-1, out=scores)
+            differential = maps[:, :half].addcmul_(maps[:, half:], lam, value=-1).to(value.dtype)
+            block = _block_buffer(block_buffer, batch, half, (stop - start) * group, 2 * head_dim)
+            torch.matmul(differential, value_pairs[:, :, :columns], out=block)
+            output[:, start:stop] = block.view(batch, half, stop - start, group, 2 * head_dim).transpose(1, 2)
+        if save_statistics:
+            ctx.save_for_backward(query, key, value, lambda_full, row_max, row_sum)
+            ctx.attention_mask = attention_mask
+            ctx.settings = (scaling, block_size, offset, skip_future)
+        return output.view(batch, query_len, half * group, 2 * head_dim)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, key, value, lambda_full, row_max, row_sum = ctx.saved_tensors
+        scaling, block_size, offset, skip_future = ctx.settings
+        attention_mask = ctx.attention_mask
+        batch, num_heads, query_len, head_dim = query.shape
+        kv_heads = key.shape[1]
+        group, half = num_heads // kv_heads, kv_heads // 2
+        softmax_dtype = row_max.dtype
+        rows_query = _query_rows(query, scaling, kv_heads)
+        value_pairs = torch.cat((value[:, :half], value[:, half:]), dim=-1)
+        lam = lambda_full.to(softmax_dtype)
+        # (batch, q_len, H/2, 2d) -> (batch, G/2, rows, 2d), rows ordered as in forward.
+        grad_output = grad_output.to(value.dtype).view(batch, query_len, half, group, 2 * head_dim).transpose(1, 2)
+        grad_output = grad_output.reshape(batch, half, query_len * group, 2 * head_dim)
+        grad_rows_query = torch.empty_like(rows_query, dtype=softmax_dtype)
+        grad_key = torch.zeros_like(key, dtype=softmax_dtype)
+        grad_pairs = torch.zeros_like(value_pairs, dtype=softmax_dtype)
+        grad_lambda = torch.zeros((), dtype=softmax_dtype, device=query.device)
+        masking = _block_masking(attention_mask, block_size, query.device)
+        score_buffer = _score_buffer(query, key, block_size, group, softmax_dtype)
+        for start in range(0, query_len, block_size):
+            stop = min(start + block_size, query_len)
+            scores, rows, columns = _block_scores(rows_query, key, attention_mask, masking, start, stop, offset,
+                                                  skip_future, group, score_buffer)
+            maps = scores.sub_(row_max[:, :, rows]).exp_().div_(row_sum[:, :, rows])  # A1 (first G/2 heads), A2
+            differential = torch.addcmul(maps[:, :half], maps[:, half:], lam, value=-1).to(value.dtype)
+            grad_block = grad_output[:, :, rows]
+            grad_pairs[:, :, :columns] += torch.matmul(differential.transpose(2, 3), grad_block)
+            grad_differential = torch.matmul(grad_block, value_pairs[:, :, :columns].transpose(2, 3))
+            # Softmax backward of both maps, dS = A * (dA - rowsum(dA * A)), with dA1 = dP and dA2 = -λ dP.
+            paired_maps = maps.view(batch, 2, half, -1, columns)
+            grad_differential = grad_differential.to(softmax_dtype)[:, None]
+            row_sums = (paired_maps * grad_differential).sum(-1, keepdim=True)  # (batch, 2, G/2, rows, 1)
+            grad_lambda -= row_sums[:, 1].sum()
+            grad_scores = (grad_differential - row_sums).mul_(paired_maps)
+            grad_scores[:, 1].mul_(-lam)
+            grad_scores = grad_scores.view(batch, kv_heads, -1, columns).to(query.dtype)
+            grad_rows_query[:, :, rows] = torch.matmul(grad_scores, key[:, :, :columns])
+            grad_key[:, :, :columns] += torch.matmul(grad_scores.transpose(2, 3), rows_query[:, :, rows])
+        # dK = dSᵀ·(q·scaling) above already holds the scaling; dQ gets it here.
+        grad_query = (grad_rows_query * scaling).view(batch, kv_heads, query_len, group, head_dim).transpose(2, 3)
+        grad_query = grad_query.reshape(batch, num_heads, query_len, head_dim).to(query.dtype)
+        grad_value = torch.cat(grad_pairs.split(head_dim, dim=-1), dim=1).to(value.dtype)
+        return (grad_query, grad_key.to(key.dtype), grad_value, grad_lambda.to(lambda_full.dtype)) + (None,) * 5
+
+
+class DifferentialKernel:
+    """A named differential kernel and the calls it can take (`supports`); the dispatch skips it for other calls."""
+
+    def __init__(self, function: Callable, supports: Callable | None = None, description: str = ""):
+        self.function = function
+        self.supports = supports or (lambda module, query, key, attention_mask: True)
+        self.description = description
+
+    def __call__(self, *args, **kwargs):
+        return self.function(*args, **kwargs)
+
+
+def generic_differential_attention(module, query, key, value, attention_mask, lambda_full, **kwargs):
+    """Every softmax map applied to the 2d-wide value pair of its differential head through the configured attention
+    backend (`config._attn_implementation`: eager, SDPA, flex, flash, or one registered with `AttentionInterface`),
+    then A1·V − λ·A2·V. Runs anywhere, and returns the maps when the backend does (eager)."""
+    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+        module.config._attn_implementation, eager_attention_forward
+    )
+    call = partial(attention_interface, module, attention_mask=attention_mask, dropout=0.0, scaling=module.scaling)
+    if query.shape[2] > 1:
+        # Prefill: one backend call forms every softmax map once and applies it to the 2d-wide value pair. Fused
+        # kernels want equal query/key/value widths, so queries and keys get d zero channels: the scores, hence the
+        # maps, are unchanged (the scaling stays 1/sqrt(d)).
+        padded_query, padded_key, value_pairs = _pad_to_pairs(query, key, value)
+        attn_output, attn_weights = call(query=padded_query, key=padded_key, value=value_pairs, **kwargs)
+    else:
+        # Decoding one token: padding the whole cached keys every step costs more than forming the scores twice.
+        first_values, second_values = value.chunk(2, dim=1)
+        first_output, attn_weights = call(query=query, key=key, value=torch.cat([first_values] * 2, dim=1), **kwargs)
+        second_output, _ = call(query=query, key=key, value=torch.cat([second_values] * 2, dim=1), **kwargs)
+        attn_output = torch.cat([first_output, second_output], dim=-1)
+    map1_output, map2_output = attn_output.chunk(2, dim=2)  # (batch, q, H, 2d): maps i and i + H/2
+    differential = torch.addcmul(map1_output.to(lambda_full.dtype), map2_output.to(lambda_full.dtype), lambda_full,
+                                 value=-1)
+    return differential, attn_weights
+
+
+def decode_differential_attention(module, query, key, value, attention_mask, lambda_full, **kwargs):
+    return differential_decode_attention(query, key, value, attention_mask, module.scaling, lambda_full), None
+
+
+def paired_sdpa_cpu_differential_attention(module, query, key, value, attention_mask, lambda_full, **kwargs):
+    attn_output = CausalPairedAttentionCPU.apply(query, key, value, module.scaling).transpose(1, 2)
+    map1_output, map2_output = attn_output.chunk(2, dim=2)
+    differential = torch.addcmul(map1_output.to(lambda_full.dtype), map2_output.to(lambda_full.dtype), lambda_full,
+                                 value=-1)
+    return differential, None
+
+
+# Query rows per block of the blocked kernel. Larger blocks mean fewer per-block ops, each of which waits for every
+# thread of a multi-threaded kernel; the score buffer grows with the block (rows x key length). docs/kernels.md has
+# the measurements behind the value.
+BLOCKED_KERNEL_ROWS = 128
+
+
+def blocked_differential_attention(module, query, key, value, attention_mask, lambda_full, **kwargs):
+    query_len, key_len = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        # SDPA's convention (is_causal): query t sees keys 0..t (a static cache's unused slots come after), and one
+        # query token sees every key.
+        offset, skip_future = (0 if query_len > 1 else key_len - 1), True
+    else:
+        offset = key_len - query_len
+        skip_future = _future_is_masked(attention_mask, query_len, key_len)
+    output = BlockedDifferentialAttention.apply(
+        query, key, value, lambda_full, attention_mask, module.scaling, BLOCKED_KERNEL_ROWS, offset, skip_future
+    )
+    return output.to(lambda_full.dtype), None
+
+
+def _is_causal_cpu_training(module, query, key, attention_mask) -> bool:
+    """CPU, plain causal self-attention (no padding mask, no cached prefix), the private ops present, not compiling."""
+    return (
+        attention_mask is None
+        and key.shape[2] == query.shape[2]
+        and query.device.type == "cpu"
+        and _has_cpu_flash_attention()
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _blocked_supports(module, query, key, attention_mask) -> bool:
+    # Transformers' masks have one head; torch.compile keeps the generic path (it traces the backend call instead).
+    return (attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)) and (
+        not torch.compiler.is_compiling()
+    )
+
+
+class DifferentialAttentionInterface(GeneralInterface):
+    """Name -> differential kernel, in the manner of transformers' `AttentionInterface`: `register(name, kernel)` adds
+    one library-wide (a `DifferentialKernel`, or a plain function taking the arguments of
+    `generic_differential_attention`), and every name can be chosen with `model.set_differential_kernel(name)` or
+    `config.differential_kernel`."""
+
+    _global_mapping = {
+        "generic": DifferentialKernel(
+            generic_differential_attention,
+            description="the configured attention backend on the padded one-call layout (prefill) or two calls "
+            "(decode); any backend and device; returns the maps with eager",
+        ),
+        "blocked": DifferentialKernel(
+            blocked_differential_attention,
+            _blocked_supports,
+            "exact, by blocks of query rows: A1 − λ·A2 formed before it meets the 2d-wide value; causal blocks "
+            "skipped; backward recomputes from row statistics",
+        ),
+        "decode": DifferentialKernel(
+            decode_differential_attention,
+            lambda module, query, key, attention_mask: query.shape[2] == 1,
+            "one query token: two matmuls around one softmax, keys and values read once",
+        ),
+        "paired_sdpa_cpu": DifferentialKernel(
+            paired_sdpa_cpu_differential_attention,
+            _is_causal_cpu_training,
+            "CPU SDPA flash kernel on the padded layout, saving only d-wide tensors for backward (private aten op, "
+            "guarded)",
+        ),
+    }
+
+    def get_kernel(self, name: str) -> DifferentialKernel:
+        if name not in self:
+            raise ValueError(
+                f"Unknown differential kernel {name!r}; choose one of {self.valid_keys()} or None (automatic), or "
+                f"register it with `DifferentialAttentionInterface.register`."
+            )
+        kernel = self[name]
+        return kernel if isinstance(kernel, DifferentialKernel) else DifferentialKernel(kernel)
+
+
+ALL_DIFFERENTIAL_KERNELS = DifferentialAttentionInterface()
+
+
+# The automatic choice: (attention backend, device type, step, dtypes) -> kernel, first match wins, "*" matches
+# anything; steps: "prefill" (no autograd), "train" (autograd on), "decode" (one query token); dtypes: the query's
+# dtype. Each entry says why it wins (docs/kernels.md has the measurements). A kernel that does not support a call
+# (see `supports`) passes it to the next matching entry; "generic" ends the list.
+_FULL_PRECISION = (torch.float32, torch.float64)
+DIFFERENTIAL_KERNEL_DISPATCH = [
+    ("sdpa", "*", "decode", "*", "decode",
+     "Decoding is bound by reading the cache and by the op count: this kernel reads keys and values once in two "
+     "matmuls, where the generic path makes two backend calls on two copies of the values. Plain bmm and softmax, "
+     "so it runs on every device."),
+    ("sdpa", "cpu", "prefill", _FULL_PRECISION, "blocked",
+     "CPU, full precision: forming A1 - λ·A2 before it meets the value halves the A·V work of the padded call and "
+     "skips the causal blocks."),
+    ("sdpa", "cpu", "train", _FULL_PRECISION, "blocked",
+     "CPU, full precision, training: as for prefill, and backward recomputes from row statistics, so memory stays "
+     "linear in the sequence length."),
+    ("sdpa", "cpu", "train", "*", "paired_sdpa_cpu",
+     "CPU, half precision, training: the fused SDPA kernel runs far faster here than the blocked kernel's per-block "
+     "ops, and saving only d-wide tensors for backward keeps the memory close to Llama's."),
+    ("*", "*", "*", "*", "generic",
+     "The default: exact on every backend and device. Fused backends (CPU half precision, CUDA) run the padded call "
+     "faster than the blocked kernel's per-block ops."),
+]
+
+
+def _step(query) -> str:
+    if query.shape[2] == 1:
+        return "decode"
+    return "train" if torch.is_grad_enabled() and query.requires_grad else "prefill"
+
+
+def select_differential_kernel(module, query, key, attention_mask) -> DifferentialKernel:
+    """The kernel for this call: `config.differential_kernel` when set and it supports the call, else the first
+    matching entry of `DIFFERENTIAL_KERNEL_DISPATCH` that supports it."""
+    chosen = getattr(module.config, "differential_kernel", None)
+    if chosen is not None:
+        kernel = ALL_DIFFERENTIAL_KERNELS.get_kernel(chosen)
+        if kernel.supports(module, query, key, attention_mask):
+            return kernel
+    backend, device, step = module.config._attn_implementation, query.device.type, _step(query)
+    for rule_backend, rule_device, rule_step, rule_dtypes, name, _why in DIFFERENTIAL_KERNEL_DISPATCH:
+        if (
+            rule_backend in ("*", backend)
+            and rule_device in ("*", device)
+            and rule_step in ("*", step)
+            and (rule_dtypes == "*" or query.dtype in rule_dtypes)
+        ):
+            kernel = ALL_DIFFERENTIAL_KERNELS.get_kernel(name)
+            if kernel.supports(module, query, key, attention_mask):
+                return kernel
+    return ALL_DIFFERENTIAL_KERNELS.get_kernel("generic")
