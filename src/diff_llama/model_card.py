@@ -47,9 +47,11 @@ def build_model_card(folder: str | Path, repo_id: str | None = None, location: s
             metric_type="perplexity", metric_value=round(perplexity, 3),
             metric_name=f"perplexity ({source_perplexity:.2f} for the source LLaMA)",
         ))
+    license_metadata = (conversion or {}).get("source_license") or {}  # a derivative carries its source's licence
     card_data = ModelCardData(
         library_name="transformers",
         base_model=base_model,
+        **license_metadata,
         tags=["diff-llama", "differential-transformer", "llama", "text-generation", "custom_code"],
         pipeline_tag="text-generation",
         model_name=model_name if eval_results else None,
@@ -62,7 +64,10 @@ def build_model_card(folder: str | Path, repo_id: str | None = None, location: s
         template_str=template,
         model_name=model_name,
         base_model=base_model or (conversion or {}).get("source"),
-        conversion=conversion if quality else None,
+        conversion=conversion,
+        conversion_notes=conversion_notes(conversion) if conversion else None,
+        conversion_options=_applicable_options(conversion) if conversion else None,
+        license=license_metadata.get("license_name") or license_metadata.get("license"),
         recovery=recovery,
         eval_text=(conversion or {}).get("options", {}).get("eval_text") or HELD_OUT_TEXT,
         layers=config.get("num_hidden_layers"),
@@ -72,6 +77,56 @@ def build_model_card(folder: str | Path, repo_id: str | None = None, location: s
         repo_or_path=repo_id or location or str(folder),
         **recovery_texts,
     )
+
+
+def conversion_notes(conversion: dict) -> list[str]:
+    """What the conversion did, one sentence per item, from its report (reports written before DIFF V2 existed have
+    no `diff_version`: they are version 1)."""
+    options = conversion["options"]
+    heads, kv_heads = conversion["num_attention_heads"], conversion["num_key_value_heads"]
+    source_heads, source_kv_heads = conversion["source_num_attention_heads"], conversion["source_num_key_value_heads"]
+    maps = (f"{source_heads} LLaMA query heads / {source_kv_heads} KV heads became {heads} softmax maps = "
+            f"{heads // 2} differential heads over {kv_heads} KV heads")
+    if options.get("diff_version", 1) == 2:
+        return [
+            f"DIFF V2 (differential attention version 2), an exact conversion: {maps}; maps 2j and 2j+1 are both LLaMA "
+            "head j, and keys, values and the KV cache are the LLaMA's.",
+            "λ = 0.5 for every token and head (`lambda_proj` = 0) and `o_proj` doubled, so each differential head "
+            "outputs half its LLaMA head and the doubled `o_proj` restores it: the converted model computes the "
+            "LLaMA's function. Nothing was calibrated.",
+        ]
+    layout = options["head_layout"]
+    layout_text = {
+        "expand": "each LLaMA head is the first map of a differential head of its own, whose second map starts as a "
+                  "zero head; twice the attention width",
+        "split": "LLaMA head i + H/2 became the second map of differential head i (the LLaMA's attention width)"
+                 + ("; a KV group of zero heads pads the odd head count" if kv_heads > source_kv_heads else ""),
+    }.get(layout, layout)
+    lambda_start = ("λ started at 0 (off the saddle point)" if options.get("lambda_start") == "zero"
+                    else "λ vectors started at the paper's initialisation")
+    text = options.get("calibration_text") or "Python standard-library docstrings"
+    calibration = {
+        "lstsq": f"each layer's `o_proj` refitted by least squares on {options.get('calibration_tokens')} tokens of "
+                 f"{text}",
+        "scale": f"a per-head output scale measured on {options.get('calibration_tokens')} tokens of {text}, folded "
+                 "into `o_proj`",
+    }.get(options.get("calibration"))
+    if calibration is None:
+        calibration = ("none: no text was run; each layer's head-norm epsilon was estimated from the weights"
+                       if options.get("head_norm_headroom", 0) > 0 else "none")
+    return [f"Version 1 (the paper's differential attention): {maps} (head layout `{layout}`: {layout_text}).",
+            f"{lambda_start}; calibration: {calibration}."]
+
+
+def _applicable_options(conversion: dict) -> dict:
+    """The options that shaped this conversion: a DIFF V2 card leaves out those that apply to version 1 only."""
+    options = dict(conversion["options"])
+    if options.get("diff_version", 1) == 2:
+        from .conversion.converter import VERSION_1_OPTIONS
+
+        for name in VERSION_1_OPTIONS:
+            options.pop(name, None)
+    return options
 
 
 def _duration(minutes: float) -> str:

@@ -3,6 +3,7 @@ a `.gguf` file (through transformers' GGUF loader), or a Hub repository id (thro
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -234,8 +235,58 @@ def _open_hub(repo_id: str, revision: str | None) -> LlamaSource:
         folder = snapshot_download(
             repo_id,
             revision=revision,
-            allow_patterns=["*.json", "*.safetensors", "tokenizer.model", "*.jinja"],
+            # README.md: the model card, whose metadata carries the licence the converted model inherits
+            allow_patterns=["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "README.md"],
         )
     except Exception as error:
         raise ConversionError(f"could not fetch {repo_id} from the Hub ({type(error).__name__}: {error}).") from None
     return SafetensorsSource(Path(folder))
+
+
+# Model-card metadata keys that state a licence (a Hub licence id, or `other` with a name and a link).
+LICENSE_KEYS = ("license", "license_name", "license_link")
+
+
+def source_license(source: LlamaSource) -> dict:
+    """The source model's licence as model-card metadata ({"license": "apache-2.0"}, ...); empty when unknown.
+
+    A converted model is a derivative of its source, so it carries the source's licence. It is read from where the
+    source states it: a GGUF file's `general.license`, or a folder's (or Hub snapshot's) model card metadata.
+    """
+    if source.description.endswith(".gguf"):
+        return _gguf_license(Path(source.description))
+    if source.folder is not None:
+        return _card_license(source.folder / "README.md")
+    return {}
+
+
+def _card_license(readme: Path) -> dict:
+    from huggingface_hub.repocard import metadata_load
+
+    if not readme.is_file():
+        return {}
+    try:
+        metadata = metadata_load(readme) or {}
+    except Exception:  # a card whose metadata does not parse states nothing we can rely on
+        return {}
+    found = {key: metadata[key] for key in LICENSE_KEYS if isinstance(metadata.get(key), str) and metadata[key]}
+    return _as_hub_license(found["license"], found) if "license" in found else {}
+
+
+def _gguf_license(path: Path) -> dict:
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(path).fields.get("general.license")
+        value = field.contents() if field is not None else None
+    except Exception:  # an unreadable or older-format file: the licence stays unknown rather than failing the run
+        return {}
+    return _as_hub_license(value, {}) if isinstance(value, str) and value.strip() else {}
+
+
+def _as_hub_license(value: str, metadata: dict) -> dict:
+    """The Hub accepts licence ids (lower case, like `apache-2.0`, `llama3.2`); anything else is `other` with its name."""
+    value = value.strip()
+    if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.+\-]*", value):
+        return {**metadata, "license": value.lower()}
+    return {**metadata, "license": "other", "license_name": metadata.get("license_name", value)}
