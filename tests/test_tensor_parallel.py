@@ -14,7 +14,7 @@ import torch
 import diff_llama
 from conftest import tiny_config
 from diff_llama import DiffLlamaForCausalLM
-from diff_llama.modeling_diff_llama import tensor_parallel_layout
+from diff_llama.tensor_parallel_diff_llama import tensor_parallel_layout
 
 TESTS = Path(__file__).parent
 SRC = str(Path(diff_llama.__file__).parent.parent)

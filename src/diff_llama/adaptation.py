@@ -13,12 +13,11 @@ causal LM, so a converted model and its source LLaMA can be trained identically 
   loss, which keeps held-out perplexity near the source's. Optionally (`kl_weight`) a KL term to the model as it was
   before training on the same block.
 - AdamW (`training.optimizer_for`), linear warm-up then linear decay over `max_steps`, float32 master weights, bfloat16
-  autocast where the CPU has bf16 units (2.3x faster than float32 there; emulated, a step took 16x longer:
-  `precision`).
+  autocast where the CPU has bf16 units (faster than float32 there; emulated elsewhere, and far slower: `precision`).
 - What a DIFF V2 conversion adds to its source, its λ projection and the second (negative) query head of each pair,
   trains at `differential_learning_rate` (warmed up over `differential_warmup_steps` if set); everything the two
   models share trains at `learning_rate`. A lossless conversion starts with both heads of a pair equal and λ = 0.5:
-  at the base rate they part by 0.25% in 150 steps and the model stays its source. The source has no such
+  at the base rate they barely part within a run and the model stays its source. The source has no such
   parameters, so the comparison stays like for like.
 
 `frozen_layers` keeps the embeddings and the lower decoder layers fixed, so that no backward pass runs below the first
@@ -39,58 +38,16 @@ import random
 import re
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from diff_llama_cli.options import AdaptationOptions
+
 from .precision import resolve_dtype
 from .retrieval import TRAINING_CITIES, RetrievalArguments, make_case
-
-
-@dataclass
-class AdaptationOptions:
-    """Options of `diff-llama adapt` (parsed with transformers.HfArgumentParser) and of `adapt`."""
-
-    # The defaults are the recipe that met issue 10's target on a CPU with bf16 units (README, "Training for
-    # retrieval"): examples up to 4K tokens, 90 steps (33 CPU-minutes for SmolLM2's V2 conversion there).
-    max_steps: int = field(default=90, metadata={"help": "optimiser steps (one retrieval example each)"})
-    max_cpu_minutes: float = field(default=60.0, metadata={
-        "help": "stop earlier once the training steps have used this many CPU-minutes (evaluations excluded)"})
-    learning_rate: float = field(default=3e-5, metadata={"help": "AdamW learning rate (peak)"})
-    lambda_learning_rate: float = field(default=1e-2, metadata={"help": "version 1's λ vectors' learning rate"})
-    differential_learning_rate: float = field(default=1e-3, metadata={
-        "help": "DIFF V2: learning rate (peak) of the λ projection and of each pair's second query head, what the "
-        "conversion adds to the source"})
-    warmup_steps: int = field(default=20, metadata={"help": "linear warm-up steps, then linear decay to 0"})
-    differential_warmup_steps: int | None = field(default=None, metadata={
-        "help": "DIFF V2: warm-up steps of the λ projection and the second query heads alone (default: warmup_steps)"})
-    min_length: int = field(default=384, metadata={"help": "shortest retrieval example, in tokens"})
-    max_length: int = field(default=4096, metadata={"help": "longest retrieval example, in tokens"})
-    long_length: int = field(default=0, metadata={
-        "help": "0: off. Above max_length: a long_fraction share of the retrieval examples is drawn from "
-        "(max_length, long_length] tokens instead, so a model sees long contexts for a fraction of their cost"})
-    long_fraction: float = field(default=0.25, metadata={"help": "share of long examples when long_length is set"})
-    max_needles: int = field(default=8, metadata={"help": "needles per example: 1 .. this"})
-    max_queries: int = field(default=3, metadata={"help": "queried needles per example: 1 .. min(this, needles)"})
-    text_every: int = field(default=2, metadata={"help": "a language-modelling block every this many steps (0: none)"})
-    text_block: int = field(default=512, metadata={"help": "tokens per language-modelling block"})
-    kl_weight: float = field(default=0.0, metadata={
-        "help": "weight of KL(model before training || model) on the text blocks (0: off; costs one more forward)"})
-    autocast: str = field(default="auto", metadata={
-        "help": "autocast dtype of the forward pass: auto (bfloat16 where the CPU has bf16 units, else none), "
-        "bfloat16, float16, or none (float32)"})
-    eval_every: int = field(default=45, metadata={"help": "steps between held-out probes (0: only at the end)"})
-    eval_cases: int = field(default=2, metadata={"help": "probe cases per (N x R, depth) at each probe length"})
-    eval_lengths: list[int] = field(default_factory=lambda: [2048], metadata={"help": "probe context lengths"})
-    eval_settings: list[str] = field(default_factory=lambda: ["4x2", "6x2"], metadata={"help": "probe N x R"})
-    frozen_layers: int = field(default=0, metadata={
-        "help": "keep the input embeddings (and an lm head tied to them) and the first this many decoder layers "
-        "fixed: no backward pass runs below the first trained layer, so a step costs less (0: train everything)"})
-    threads: int = field(default=1, metadata={"help": "torch CPU threads (0: torch's default)"})
-    seed: int = field(default=0, metadata={"help": "seed of the data order and the examples"})
-    save: bool = field(default=True, metadata={"help": "save the trained model (and tokenizer) into OUTPUT"})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -279,7 +236,7 @@ def probe(model, tokenizer, options: AdaptationOptions, name: str) -> dict:
     from .retrieval import evaluate_model
 
     # A copy in the autocast dtype rather than autocast itself: autocast would re-cast every weight at every decoding
-    # step (about 5x slower here), and `diff-llama evaluate --dtype bfloat16` evaluates exactly this way.
+    # step, where the copy casts them once; and `diff-llama evaluate --dtype bfloat16` evaluates exactly this way.
     dtype = _autocast_dtype(options)
     copy_ = model if dtype is None else copy.deepcopy(model).to(dtype)
     copy_.eval()
@@ -476,39 +433,28 @@ def release_gguf_quantizer(model) -> None:
         quantizer.remove_quantization_config(model)
 
 
-def main(argv=None) -> int:
-    """`diff-llama adapt MODEL OUTPUT [options]`."""
-    from transformers import HfArgumentParser
-
+def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: str | None = None) -> int:
+    """`diff-llama adapt MODEL OUTPUT [options]` (declared in `diff_llama_cli`)."""
+    from .output_folder import check_new_output, new_output_folder
     from .resolve import save_tokenizer
     from .retrieval import display_name, load_model
 
-    parser = HfArgumentParser(
-        AdaptationOptions, prog="diff-llama adapt",
-        description="Train any causal LM (a DiffLlama or its source LLaMA, for a fair comparison) on synthetic "
-        "multi-needle retrieval mixed with language modelling, with held-out probes of retrieval, attention "
-        "allocation and perplexity along the way. Writes the model, adapt.json and adapt.png into OUTPUT.",
-    )
-    parser.add_argument("model", metavar="MODEL", help="model folder (LLaMA or DiffLlama), .gguf file or 'smollm2'")
-    parser.add_argument("output", metavar="OUTPUT", help="folder for the trained model and the curves")
-    parser.add_argument("--name", default=None, help="label in the curves (default: the model's folder name)")
-    options, extra = parser.parse_args_into_dataclasses(argv, look_for_args_file=False)
-    output = Path(extra.output)
-    if output.exists() and any(output.iterdir()):
-        raise FileExistsError(f"{output} exists and is not empty; pick a new folder or remove it.")
+    output = Path(output)
+    check_new_output(output, fix="choose a new folder")
     check_options(options)
-    model, tokenizer = load_model(extra.model)
+    model, tokenizer = load_model(model_name)
     release_gguf_quantizer(model)
-    name = extra.name or display_name(extra.model)
-    history = adapt(model, tokenizer, options, output, name=name)
-    if options.save:
-        # Written to a temporary folder first, then moved: a crash never leaves a half-saved model behind.
-        partial = output / ".partial"
-        model.save_pretrained(partial)
-        save_tokenizer(tokenizer, partial)
-        for path in partial.iterdir():
-            path.replace(output / path.name)
-        partial.rmdir()
+    name = name or display_name(model_name)
+    with new_output_folder(output) as folder:
+        history = adapt(model, tokenizer, options, folder, name=name)
+        if options.save:
+            # Written to a temporary folder first, then moved: a crash never leaves a half-saved model behind.
+            partial = folder / ".partial"
+            model.save_pretrained(partial)
+            save_tokenizer(tokenizer, partial)
+            for path in partial.iterdir():
+                path.replace(folder / path.name)
+            partial.rmdir()
     first, last, steps = history["probes"][0], history["probes"][-1], len(history["steps"])
     print(f"{name}: {steps} step{'' if steps == 1 else 's'} in {history['cpu_minutes']:.1f} CPU-minutes; probe "
           f"accuracy {first['accuracy']:.0%} -> {last['accuracy']:.0%}, perplexity {first['perplexity']:.2f} -> "

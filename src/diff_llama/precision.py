@@ -1,9 +1,9 @@
 """Which floating-point type computes fastest on this machine: what `auto` means for `--dtype` and `--autocast`.
 
 bfloat16 pays only where the hardware computes in it. On a CPU with bf16 units (AMX or AVX512-BF16 on x86, BF16 or
-SVE-BF16 on ARM) a SmolLM2-135M training step under bf16 autocast took 2.3x less time than in float32; on an AVX2-only
-CPU (an AMD EPYC) bf16 is emulated: a 2,048-token prefill took 5.1x the float32 time and a training step 16x
-(`bench/precision.py`). CUDA GPUs from Ampere on have bf16 units.
+SVE-BF16 on ARM) bf16 autocast trains faster than float32; on a CPU without them bf16 is emulated and many times slower
+than float32, so `auto` keeps float32 there (docs/kernels.md has the measurements; `bench/precision.py` measures a
+machine). CUDA GPUs from Ampere on have bf16 units.
 """
 
 from __future__ import annotations
