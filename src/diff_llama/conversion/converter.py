@@ -463,9 +463,29 @@ def _copy_side_files(src: LlamaSource, folder: Path, tokenizer) -> None:
             if (src.folder / name).is_file():
                 shutil.copyfile(src.folder / name, folder / name)
         clean_tokenizer_config(folder)
+        _name_tokenizer_class(src, folder, tokenizer)
     elif tokenizer is not None:
         save_tokenizer(tokenizer, folder)
     if not (folder / "generation_config.json").exists():
         from transformers import GenerationConfig
 
         GenerationConfig.from_model_config(src.config).save_pretrained(folder)
+
+
+def _name_tokenizer_class(src: LlamaSource, folder: Path, tokenizer) -> None:
+    """Write the source's tokenizer class into a copied tokenizer_config.json that names none.
+
+    Without `tokenizer_class`, AutoTokenizer picks the class from config.json's model_type: the source's `llama`
+    chose its tokenizer, the converted folder's `diff_llama` is unknown to transformers and would choose another (or
+    none). Naming the class the source actually loads as keeps the converted tokenizer the source's.
+    """
+    config_file = folder / "tokenizer_config.json"
+    if not config_file.is_file():
+        return
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    if config.get("tokenizer_class"):
+        return
+    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(src)
+    if tokenizer is not None:
+        config["tokenizer_class"] = type(tokenizer).__name__
+        config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
