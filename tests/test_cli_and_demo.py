@@ -1,4 +1,5 @@
 import math
+import re
 import subprocess
 import sys
 import time
@@ -65,7 +66,6 @@ def test_export_builtin_copies_the_tokenizer_and_refuses_odd_kv_heads_in_one_lin
 
 
 def test_console_help_lists_every_command_without_importing_torch():
-    from diff_llama.cli import COMMAND_SPECS, SELF_PARSING
     from diff_llama_cli import COMMANDS
 
     code = "import sys, diff_llama_cli; diff_llama_cli.main(['--help']); print('torch' in sys.modules)"
@@ -73,8 +73,61 @@ def test_console_help_lists_every_command_without_importing_torch():
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[-1] == "False"  # torch costs seconds to import
     assert all(name in result.stdout for name in COMMANDS)
-    # the SELF_PARSING commands parse their own options; every other command is a COMMAND_SPECS entry
-    assert list(COMMAND_SPECS) and set(COMMAND_SPECS) | set(SELF_PARSING) == set(COMMANDS)  # the overview lists what runs
+
+
+def test_every_commands_help_is_fast_and_says_each_default_once():
+    """`diff-llama COMMAND --help` builds the parser from the torch-free option dataclasses: no torch, no
+    transformers; and an option whose help names its default gets no second "(default: ...)"."""
+    from diff_llama_cli import COMMANDS
+
+    code = ("import io, sys, contextlib, diff_llama_cli\n"
+            "for name in diff_llama_cli.COMMANDS:\n"
+            "    with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "        assert diff_llama_cli.main([name, '--help']) == 0, name\n"
+            "    print('=== ' + name); print(out.getvalue())\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+    helps = dict(part.split("\n", 1) for part in result.stdout.split("=== ")[1:])
+    assert set(helps) == set(COMMANDS)
+    for name, text in helps.items():
+        assert f"usage: diff-llama {name}" in text
+        flat = " ".join(text.split())
+        assert flat.count("(default:") == len(re.findall(r"\(default: [^)]*\)", flat))
+        assert not re.search(r"default[^()]*\) \(default:", flat), (name, flat)
+    assert "--diff-version 1" in " ".join(helps["convert"].split()) and "DIFF V2" in helps["convert"]
+    assert "exact" in helps["convert"] and "λ starts at 0 (off the saddle" not in helps["convert"]
+    serve = " ".join(helps["serve"].split())
+    assert all(option in serve for option in ("--host", "--port", "--dtype", "--device", "--trust-remote-code",
+                                              "--attn-implementation")) and "FORCE_MODEL" not in serve
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "m", "--lr", "1e-4"], "unknown option --lr; did you mean --learning-rate?"),
+    (["train", "m", "--lerning-rate", "1e-4"], "unknown option --lerning-rate; did you mean --learning-rate?"),
+    (["evaluate", "m", "--foo"], "unknown option --foo (diff-llama evaluate --help lists the options)"),
+    (["serve", "m", "--prot", "80"], "did you mean --port?"),
+    (["trian"], "unknown command 'trian'; did you mean 'train'? commands: convert, recover, train, generate, "
+                "attention-map, adapt, evaluate, serve, push, export-builtin, demo"),
+])
+def test_command_line_mistakes_are_one_line_with_the_nearest_fix(capsys, argv, expected):
+    assert expected in _fails_in_one_line(capsys, argv)
+
+
+def test_version_and_option_spellings(capsys):
+    import diff_llama
+    from diff_llama_cli import parse
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"diff-llama {diff_llama.__version__}"
+    # both spellings, unique abbreviations, bool flags with and without a value, --no-NAME, lists
+    (models, options, command) = parse("evaluate", ["a", "b", "--cases", "3", "--max_new_tokens", "5",
+                                                   "--no-attention", "--lengths", "64", "128", "--overwrite"])
+    assert models == ["a", "b"] and options.cases_per_depth == 3 and options.max_new_tokens == 5
+    assert options.attention is False and options.lengths == [64, 128] and command.overwrite is True
+    (_, _, conversion, _) = parse("convert", ["s", "o", "--diff-version", "1", "--evaluate", "false"])
+    assert conversion.diff_version == 1 and conversion.evaluate is False
 
 
 @pytest.mark.parametrize("command", [["generate", "{missing}", "Hello"], ["attention-map", "{missing}", "--text", "x",
@@ -133,7 +186,7 @@ def test_unexpected_errors_are_one_line_with_exit_code_1(tmp_path, monkeypatch, 
                                        "(DIFF_LLAMA_TRACEBACK=1 shows where)")
     monkeypatch.setenv("DIFF_LLAMA_TRACEBACK", "1")
     with pytest.raises(RuntimeError):
-        main(["demo", "--steps", "1"])
+        main(["demo", "--steps", "1", "--output", str(tmp_path / "d")])
 
 
 def test_generate_command_streams_text(tmp_path, tokenizer, capsys):

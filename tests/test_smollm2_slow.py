@@ -81,10 +81,10 @@ def test_adapt_trains_and_saves_smollm2_from_its_gguf(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from diff_llama.adaptation import main as adapt_main
+    from diff_llama.cli import main
 
     out = tmp_path / "adapted"
-    assert adapt_main(["smollm2", str(out), "--max-steps", "1", "--eval-every", "0", "--eval-cases", "1",
+    assert main(["adapt", "smollm2", str(out), "--max-steps", "1", "--eval-every", "0", "--eval-cases", "1",
                        "--eval-settings", "1x1", "--eval-lengths", "256", "--min-length", "200", "--max-length", "300",
                        "--text-block", "64", "--threads", "2"]) == 0
     adapted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)

@@ -11,18 +11,18 @@ import json
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from transformers import Trainer, TrainerCallback
 
+from diff_llama_cli.options import RecoveryOptions
+
 from .model_card import write_model_card
 from .training import (
     TokenBlocks,
-    TrainingRunOptions,
     load_for_training,
     optimizer_for,
     read_text,
@@ -190,40 +190,6 @@ def plot_recovery(curve: list[dict], source_perplexity: float, output: str | Pat
     handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8)
     return save_png(fig, output, rect=(0, 0.06, 1, 1))
-
-
-@dataclass(kw_only=True)
-class RecoveryOptions(TrainingRunOptions):
-    """`diff-llama recover`: distillation from the source LLaMA with a λ floor. The budget is `minutes` of training
-    time, or `max_steps` steps when that is set."""
-
-    source: str | None = field(default=None, metadata={"help": (
-        "the source LLaMA (folder, .gguf, Hub id or 'smollm2'; default: the one recorded in MODEL/"
-        "conversion_report.json)")})
-    data: str | None = field(default=None, metadata={"help": "training text (file or folder; default: built-in text)"})
-    generate: int = field(default=0, metadata={"help": (
-        "train on this many tokens sampled from the source itself instead (not with --data)")})
-    minutes: float = field(default=30.0, metadata={"help": "training-time budget (evaluation excluded)"})
-    learning_rate: float | None = field(default=None, metadata={"help": "default: 1e-5, or 1e-4 with --lora"})
-    lambda_learning_rate: float = field(default=5e-4, metadata={"help": "learning rate of the λ vectors"})
-    lambda_floor: float = field(default=0.12, metadata={"help": "penalise any layer's λ below this (0 disables)"})
-    lambda_floor_ramp_steps: int = field(default=30, metadata={"help": "steps over which the floor rises to its value"})
-    lr_schedule: Literal["linear", "constant"] = field(default="linear", metadata={"help": (
-        "linear: decay to 0 over the budget (time or steps); constant: keep it")})
-    eval_tokens: int = field(default=2048, metadata={"help": "held-out tokens scored for the perplexity curve"})
-    eval_minutes: float = field(default=2.5, metadata={"help": "measure held-out perplexity every this many minutes"})
-    save_steps: int = field(default=50, metadata={"help": "checkpoint interval in steps (the last one is kept)"})
-    threads: int | None = field(default=None, metadata={"help": "CPU threads (default: torch's)"})
-
-    def __post_init__(self):
-        if self.data and self.generate:
-            raise ValueError("give either --data or --generate, not both.")
-        if self.max_steps <= 0 and not self.minutes > 0:
-            raise ValueError("give a budget: --minutes above 0 or --max-steps.")
-
-    @property
-    def by_time(self) -> bool:
-        return self.max_steps <= 0
 
 
 def recover(model_path: str, options: RecoveryOptions) -> dict:

@@ -26,11 +26,13 @@ import math
 import random
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+
+from diff_llama_cli.options import RetrievalArguments
 
 from .precision import resolve_dtype
 
@@ -349,42 +351,6 @@ def run_case(model, tokenizer, case: NeedleCase, max_new_tokens: int = 48, alloc
 # The evaluation
 
 
-@dataclass
-class RetrievalArguments:
-    """Options of `diff-llama evaluate` (parsed with transformers.HfArgumentParser) and of `evaluate_models`."""
-
-    output: str = field(default="outputs/evaluate", metadata={
-        "help": "folder for retrieval.json, retrieval.md and retrieval.png"})
-    names: list[str] | None = field(default=None, metadata={"help": "labels for the models in the tables"})
-    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096], metadata={
-        "help": "context lengths in tokens (the whole prompt, chat template included)"})
-    settings: list[str] = field(default_factory=lambda: ["1x1", "2x2", "4x2", "6x2"], metadata={
-        "help": "NxR: N needles in the context, R of them queried"})
-    depths: list[float] = field(default_factory=lambda: [0.0, 25.0, 50.0, 75.0, 100.0], metadata={
-        "help": "depths of the answer needle, in percent of the context"})
-    cases_per_depth: int = field(default=2, metadata={"help": "cases per (length, NxR, depth)"})
-    seed: int = field(default=0, metadata={"help": "seed of the cases (the same cases for every model)"})
-    max_new_tokens: int = field(default=48, metadata={"help": "greedy tokens generated per case"})
-    chat_template: bool = field(default=True, metadata={"help": "use the tokenizer's chat template when it has one"})
-    attention: bool = field(default=True, metadata={"help": "measure attention allocation"})
-    perplexity_tokens: int = field(default=2048, metadata={
-        "help": "tokens of held-out text (standard-library docstrings) for perplexity; 0 skips it"})
-    threads: int = field(default=2, metadata={"help": "torch CPU threads (0: torch's default)"})
-    dtype: str = field(default="float32", metadata={
-        "help": "float32, bfloat16, float16, or auto (bfloat16 where the device computes it in hardware, else "
-        "float32)"})
-    device: str = field(default="cpu", metadata={"help": "cpu, cuda, ..."})
-
-    def parsed_settings(self) -> list[tuple[int, int]]:
-        result = []
-        for text in self.settings:
-            parts = re.split(r"[x:,]", text.lower())
-            if len(parts) != 2:
-                raise ValueError(f"setting {text!r} is not NxR (e.g. 4x2)")
-            result.append((int(parts[0]), int(parts[1])))
-        return result
-
-
 def load_model(name: str, dtype: str = "float32", device: str = "cpu"):
     """Model (dtype: a `RetrievalArguments.dtype` value) and tokenizer from a folder, a .gguf file, a Hub id, or
     'smollm2' (see `resolve.resolve_model`)."""
@@ -485,8 +451,11 @@ def summarize(results: list[dict]) -> dict:
     return summary
 
 
-def evaluate_models(models: list[str], options: RetrievalArguments) -> dict:
-    """Evaluate every model (folder, .gguf, Hub id or 'smollm2') in turn; write and return the report."""
+def evaluate_models(models: list[str], options: RetrievalArguments, overwrite: bool = False) -> dict:
+    """Evaluate every model (folder, .gguf, Hub id or 'smollm2') in turn; write and return the report.
+
+    `options.output` must be new or empty (an earlier evaluation there would be lost), unless `overwrite`: then the
+    new report is written beside it and replaces it when complete."""
     if options.threads > 0:
         torch.set_num_threads(options.threads)
     names = options.names or [display_name(m) for m in models]
@@ -496,17 +465,18 @@ def evaluate_models(models: list[str], options: RetrievalArguments) -> dict:
 
     for source in models:  # a missing model (or tokenizer) stops the run before its output folder is made
         find_model(source, tokenizer=True)
+    from .output_folder import new_output_folder
+
     report = {"options": asdict(options), "models": []}
-    Path(options.output).mkdir(parents=True, exist_ok=True)
-    progress_file = Path(options.output) / "cases.jsonl"  # results so far, for long runs
-    progress_file.unlink(missing_ok=True)
-    for source, name in zip(models, names):
-        model, tokenizer = load_model(source, options.dtype, options.device)
-        entry = evaluate_model(model, tokenizer, options, name, progress_file=progress_file)
-        entry["source"] = source
-        report["models"].append(entry)
-        del model
-    write_report(report, options.output)
+    with new_output_folder(options.output, overwrite=overwrite) as folder:
+        progress_file = folder / "cases.jsonl"  # results so far, for long runs
+        for source, name in zip(models, names):
+            model, tokenizer = load_model(source, options.dtype, options.device)
+            entry = evaluate_model(model, tokenizer, options, name, progress_file=progress_file)
+            entry["source"] = source
+            report["models"].append(entry)
+            del model
+        write_report(report, folder)
     return report
 
 
@@ -706,21 +676,10 @@ def join_lengths(reports: list[dict]) -> dict:
     return {"options": dict(first["options"], lengths=lengths), "models": models}
 
 
-def main(argv=None) -> int:
-    """`diff-llama evaluate MODEL [MODEL ...] [options]`."""
-    from transformers import HfArgumentParser
-
-    parser = HfArgumentParser(
-        RetrievalArguments, prog="diff-llama evaluate",
-        description="Multi-needle retrieval (paper §3.4, Table 2) and attention allocation (Table 3) of one or more "
-        "causal LMs on the same cases, plus held-out perplexity. Writes retrieval.json, retrieval.md and "
-        "retrieval.png into --output.",
-    )
-    parser.add_argument("models", nargs="+", metavar="MODEL",
-                        help="model folder (LLaMA or DiffLlama), .gguf file, Hub id, or 'smollm2'")
-    options, extra = parser.parse_args_into_dataclasses(argv, look_for_args_file=False)
-    options.parsed_settings()  # a bad NxR fails before any model loads; `diff_llama.cli` prints errors in one line
-    report = evaluate_models(extra.models, options)
+def run_evaluate(models: list[str], options: RetrievalArguments, overwrite: bool = False) -> int:
+    """`diff-llama evaluate MODEL [MODEL ...] [options]` (declared in `diff_llama_cli`)."""
+    options.parsed_settings()  # a bad NxR fails before any model loads
+    report = evaluate_models(models, options, overwrite=overwrite)
     print(markdown_report(report))
-    print(f"Wrote {Path(options.output) / 'retrieval.json'}, retrieval.md and retrieval.png")
+    print(f"Wrote {Path(options.output) / 'retrieval.json'}, retrieval.md, retrieval.png and cases.jsonl")
     return 0

@@ -4,12 +4,13 @@
 through the Auto classes. For a DiffLlama folder that name, `DiffLlamaForCausalLM`, is transformers' built-in
 `diffllama` class, a different model: it refuses odd `num_key_value_heads` and ignores `diff_version` and
 `head_norm_eps`, so a converted model would fail to load or compute another function. `diff-llama serve` runs the
-same server (every endpoint and option of `transformers serve`) with one change: models whose config is a DiffLlama
-load with this package's classes, or with `--trust-remote-code` with the code saved in the model folder. Any other
-model loads as `transformers serve` loads it.
+same server (every endpoint of `transformers serve`, and its options that matter for one model) with two changes:
+MODEL is resolved like every other command's (a folder, a `.gguf` file, `smollm2` or a Hub id; a mistyped folder fails
+at once) and preloaded, and models whose config is a DiffLlama load with this package's classes, or with
+`--trust-remote-code` with the code saved in the model folder. Any other model loads as `transformers serve` loads it.
 
 ```bash
-pip install "transformers[serving]"
+pip install "diff-llama[serving]"
 diff-llama serve outputs/SmolLM2-135M-Instruct-diff --port 8000          # then any OpenAI client:
 curl localhost:8000/v1/chat/completions -H "Content-Type: application/json" \\
   -d '{"model": "outputs/SmolLM2-135M-Instruct-diff", "messages": [{"role": "user", "content": "Hi"}]}'
@@ -77,19 +78,40 @@ def diff_llama_model_loading():
         model_manager.ModelManager = original
 
 
-def main(argv) -> int:
-    """`diff-llama serve [MODEL] [options of transformers serve]`: runs transformers' server until interrupted."""
+def server_model_name(model: str) -> str:
+    """The name transformers serve preloads for the `model` argument, resolved the way every command resolves it
+    (`resolve.find_model`): a folder, a `.gguf` file or 'smollm2' (named `FOLDER:FILE.gguf`, transformers serve's
+    spelling of a GGUF file), or a Hub id. Raises one line when it names no model: a mistyped folder is never tried
+    on the Hub, where it would cost minutes of retries."""
+    from .resolve import find_model
+
+    location = find_model(model, tokenizer=True)
+    if location.gguf_file:
+        return f"{location.name_or_path}:{location.gguf_file}"
+    return location.name_or_path
+
+
+def serve(model: str, options) -> int:
+    """`diff-llama serve MODEL [options]` (declared in `diff_llama_cli`): transformers' server, with MODEL preloaded,
+    until interrupted. `options` is a `diff_llama_cli.options.ServeOptions`; its fields are passed to transformers
+    serve as they are."""
+    from dataclasses import asdict
+
     from transformers.utils.import_utils import is_serve_available
 
     import diff_llama  # noqa: F401  (registers the Auto classes: the package's code serves without trust_remote_code)
 
+    force_model = server_model_name(model)  # before the serving extras: the model is the likelier mistake
     if not is_serve_available():
         raise ImportError(
             "serving needs transformers' serving extras (fastapi, uvicorn, openai, pydantic): "
-            'pip install "transformers[serving]"'
+            'pip install "diff-llama[serving]"'
         )
-    from transformers.cli.transformers import app
+    from transformers.cli.serve import Serve
 
+    # transformers serve answers only requests that name the preloaded model exactly (or name none).
+    print(f"Serving {force_model} at http://{options.host}:{options.port}/v1 (requests name this model, or none)",
+          flush=True)
     with diff_llama_model_loading():
-        app(args=["serve", *argv], prog_name="diff-llama")  # click: exits with the server's status
+        Serve(force_model=force_model, **asdict(options))  # runs the server until it is stopped
     return 0

@@ -23,11 +23,12 @@ in `modules_to_save`: PEFT trains them and stores them in the adapter.
 
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
+
+from diff_llama_cli.options import FineTuneOptions, TrainingRunOptions
 
 LAMBDA_MODULE = "differential_lambda"
 ATTENTION_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -128,43 +129,12 @@ def plot_training_loss(log_history: list[dict], output: str | Path) -> Path:
     return save_png(fig, output)
 
 
-@dataclass(kw_only=True)
-class TrainingRunOptions:
-    """What `diff-llama train` and `diff-llama recover` share; each field is also a command-line option."""
-
-    output: str = field(metadata={"help": "folder for checkpoints and the final model"})
-    lora: bool = field(default=False, metadata={"help": "train LoRA adapters (+ λ) instead of every weight"})
-    lora_mlp: bool = field(default=False, metadata={"help": "with --lora, also adapt the MLP projections"})
-    lora_rank: int = field(default=16, metadata={"help": "LoRA rank"})
-    max_steps: int = field(default=-1, metadata={"help": "stop after this many optimiser steps"})
-    learning_rate: float | None = None
-    lambda_learning_rate: float = 1e-2
-    batch_size: int = field(default=4, metadata={"help": "examples per step"})
-    block_size: int = field(default=256, metadata={"help": "tokens per example"})
-    resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint-N in --output"})
-    seed: int = field(default=0, metadata={"help": "seed of initialisation, data order and sampling"})
-
-
-@dataclass(kw_only=True)
-class FineTuneOptions(TrainingRunOptions):
-    """`diff-llama train`: fine-tuning with the Trainer, fully or with LoRA."""
-
-    data: str = field(metadata={"help": "training text: a .txt/.md/.rst/.jsonl file or a folder of them"})
-    merge: bool = field(default=False, metadata={"help": "with --lora, save the merged model instead of the adapter"})
-    epochs: float = field(default=1.0, metadata={"help": "passes over the data (--max-steps overrides it)"})
-    learning_rate: float | None = field(default=None, metadata={"help": "default: 5e-5, or 2e-4 with --lora"})
-    lambda_learning_rate: float = field(default=1e-2, metadata={"help": "learning rate of the λ vectors"})
-    gradient_accumulation: int = field(default=1, metadata={"help": "steps to accumulate before each update"})
-    save_steps: int = field(default=100, metadata={"help": "checkpoint interval in steps (the last two are kept)"})
-    logging_steps: int = field(default=10, metadata={"help": "log the loss and λ every N steps (and at the end)"})
-    monitor: bool = field(default=True, metadata={"help": (
-        "log λ and differential-map statistics (--no-monitor turns it off)")})
-
-
 def resume_checkpoint(output_dir: str | Path, resume: bool) -> str | None:
-    """The checkpoint to resume from. Refuses to resume from nothing, and to start over silently on top of an earlier
-    run's checkpoints (the Trainer would mix them up with the new run's)."""
+    """The checkpoint to resume from. Refuses to resume from nothing, to start over silently on top of an earlier
+    run's checkpoints (the Trainer would mix them up with the new run's), and to write among other files."""
     from transformers.trainer_utils import get_last_checkpoint
+
+    from .output_folder import check_new_output
 
     last = get_last_checkpoint(str(output_dir)) if Path(output_dir).is_dir() else None
     if resume and last is None:
@@ -173,6 +143,8 @@ def resume_checkpoint(output_dir: str | Path, resume: bool) -> str | None:
         raise FileExistsError(
             f"{output_dir} already holds training checkpoints; pass --resume to continue, or choose a new folder."
         )
+    if last is None:
+        check_new_output(output_dir, fix="choose a new folder for --output (the run would be saved among its files)")
     return last
 
 

@@ -1,0 +1,152 @@
+"""What each `diff-llama` command runs, one function per command, called with the values `diff_llama_cli` parsed
+(the positional arguments, then one instance per option dataclass; see `diff_llama_cli.COMMANDS`). Each returns the
+exit code. Heavy modules are imported inside the functions, so that a command loads only what it uses."""
+
+import os
+from pathlib import Path
+
+from diff_llama_cli import options as o
+
+
+def convert(source, output, options, command_options: o.ConvertCommandOptions) -> int:
+    from .conversion.converter import convert_llama_to_diff_llama
+
+    report = convert_llama_to_diff_llama(source, output, options, overwrite=command_options.overwrite)
+    print(report.summary())
+    if command_options.prompt:
+        print(f"\nPrompt: {command_options.prompt}\nAnswer: {answer_prompt(output, command_options.prompt)}")
+    return 0
+
+
+def recover(model, options: o.RecoveryOptions) -> int:
+    from .recovery import recover
+
+    report = recover(model, options)
+    print(f"Held-out perplexity: source {report['source_perplexity']:.2f}, recovered {report['final_perplexity']:.2f} "
+          f"({report['ratio']:.3f}x) after {report['steps']} steps; mean |λ| {report['final_mean_abs_lambda']:.3f}. "
+          f"Saved to {options.output}")
+    return 0
+
+
+def train(model, options: o.FineTuneOptions) -> int:
+    from .training import train
+
+    output = train(model, options)
+    if int(os.environ.get("RANK", "0")) == 0:  # one line for a multi-process launch too
+        print(f"Saved the {'adapter' if options.lora and not options.merge else 'model'} to {output}")
+    return 0
+
+
+def generate(model, prompt, options: o.GenerateOptions) -> int:
+    import torch
+    from transformers import TextStreamer
+
+    from .resolve import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    lm = load_causal_lm(model)
+    inputs = encode_prompt(tokenizer, prompt, use_chat_template=not options.raw)
+    sampling = dict(do_sample=True, temperature=options.temperature, top_p=options.top_p) if options.temperature > 0 else {}
+    torch.manual_seed(options.seed)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    lm.generate(**inputs, max_new_tokens=options.max_new_tokens, streamer=streamer, **sampling)
+    return 0
+
+
+def attention_map(model, options: o.AttentionMapOptions) -> int:
+    from .attention_maps import attention_maps, plot_head
+    from .resolve import load_causal_lm, load_config, load_tokenizer
+
+    config = load_config(model)  # layer and head are checked before any weight is read
+    differential = config.model_type in ("diff_llama", "diffllama")
+    heads = config.num_attention_heads // 2 if differential else config.num_attention_heads
+    if not 0 <= options.layer < config.num_hidden_layers:
+        raise ValueError(f"--layer must be between 0 and {config.num_hidden_layers - 1}, got {options.layer}.")
+    if options.head is not None and not 0 <= options.head < heads:
+        raise ValueError(f"--head must be between 0 and {heads - 1} (this model has {heads} "
+                         f"{'differential ' if differential else ''}heads).")
+    selected = range(heads) if options.head is None else [options.head]
+    paths = [Path(options.output) / f"layer{options.layer}-head{head}.png" for head in selected]
+    # Maps of other layers or heads may share the folder; only the files this run would replace are refused.
+    existing = [path for path in paths if path.exists()]
+    if existing and not options.overwrite:
+        raise FileExistsError(f"{existing[0]} already exists; choose another --output, or pass --overwrite to replace "
+                              f"{'it' if len(existing) == 1 else f'these {len(existing)} maps'}.")
+    tokenizer = load_tokenizer(model)
+    lm = load_causal_lm(model, attn_implementation="eager")
+    first, second, lam, differential, tokens = attention_maps(lm, tokenizer, options.text, options.layer)
+    source_maps = None
+    if options.source:
+        source = load_causal_lm(options.source, attn_implementation="eager")
+        source_maps = attention_maps(source, tokenizer, options.text, options.layer)[0]
+    for head, path in zip(selected, paths):
+        # Every conversion (both version-1 layouts and DIFF V2) makes LLaMA head i the first map of differential head i.
+        source_head = source_maps[head] if source_maps is not None and head < source_maps.shape[0] else None
+        print(f"wrote {plot_head(first, second, lam, differential, tokens, head, options.layer, path, source_head)}")
+    return 0
+
+
+def adapt(model, output, options, command_options: o.AdaptCommandOptions) -> int:
+    from .adaptation import run_adapt
+
+    return run_adapt(model, output, options, name=command_options.name)
+
+
+def evaluate(models, options, command_options: o.EvaluateCommandOptions) -> int:
+    from .retrieval import run_evaluate
+
+    return run_evaluate(models, options, overwrite=command_options.overwrite)
+
+
+def serve(model, options: o.ServeOptions) -> int:
+    from .serving import serve
+
+    return serve(model, options)
+
+
+def push(model, repo_id, options: o.PushOptions) -> int:
+    from .publishing import check_publishable, files_to_upload, push
+
+    check_publishable(model)
+    if options.dry_run:
+        print("\n".join(files_to_upload(model)))
+        return 0
+    url = push(model, repo_id, private=options.private, token=options.token, keep_card=options.keep_card)
+    print(f"Uploaded: {url}")
+    return 0
+
+
+def export_builtin(source, output) -> int:
+    from .builtin_interop import export_folder_to_builtin
+
+    export_folder_to_builtin(source, output)
+    print(f"Wrote {output}: loads with transformers.AutoModelForCausalLM (model_type 'diffllama').")
+    return 0
+
+
+def demo(options: o.DemoOptions) -> int:
+    from . import demo
+    from .output_folder import new_output_folder
+
+    with new_output_folder(options.output, overwrite=options.overwrite) as folder:
+        demo.run_demo(folder, steps=options.steps)
+    return 0
+
+
+def encode_prompt(tokenizer, prompt: str, use_chat_template: bool = True):
+    if use_chat_template and tokenizer.chat_template:
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+    return tokenizer(prompt, return_tensors="pt")
+
+
+def answer_prompt(model_dir: str, prompt: str, max_new_tokens: int = 60) -> str:
+    """Greedy answer from a saved model, through its chat template when it has one."""
+    from .resolve import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    model = load_causal_lm(model_dir)
+    inputs = encode_prompt(tokenizer, prompt)
+    output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()

@@ -1,0 +1,280 @@
+"""The options of every `diff-llama` command, as dataclasses: each field is one command-line option.
+
+They live here, outside the `diff_llama` package, because importing `diff_llama` registers the model with
+transformers' Auto classes, which imports torch (seconds): `diff-llama COMMAND --help` builds its parser from these
+classes alone. Library functions take the same classes (`convert_llama_to_diff_llama(..., ConversionOptions(...))`,
+`train(..., FineTuneOptions(...))`, ...), and the modules that run them re-export them, so
+`from diff_llama.training import FineTuneOptions` keeps working.
+
+Only the standard library may be imported here.
+"""
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+# ---- convert ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ConversionOptions:
+    """How to convert; every field is also a `diff-llama convert` option (`--head-layout`, ...). The defaults give the
+    most faithful model."""
+
+    head_layout: Literal["expand", "split"] = field(default="expand", metadata={"help": (
+        "version 1: expand: each LLaMA head gets its own differential head (2x attention width, keeps the LLaMA's quality); "
+        "split: same width, LLaMA head i + H/2 becomes the second map of head i (loses more)")})
+    pad_odd_heads: bool = field(default=True, metadata={"help": (
+        "version 1: with --head-layout split and an odd head count, add a KV group of zero heads (--no-pad-odd-heads refuses "
+        "instead)")})
+    lambda_start: Literal["zero", "paper"] = field(default="zero", metadata={"help": (
+        "version 1: zero: λ = 0 with a non-zero gradient; paper: λ vectors drawn from N(0, lambda_std_dev)")})
+    calibration: Literal["lstsq", "scale", "none"] = field(default="lstsq", metadata={"help": (
+        "version 1: lstsq: refit each layer's o_proj by least squares; scale: per-head scale only; none: no text needed")})
+    calibration_text: str | None = field(default=None, metadata={"help": (
+        "version 1: calibration text file (default: built-in English text, Python standard-library docstrings)")})
+    calibration_tokens: int = field(default=8192, metadata={"help": "version 1: tokens of calibration text to use"})
+    head_norm_headroom: float = field(default=0.01, metadata={"help": (
+        "version 1: set each layer's head-norm epsilon to its heads' mean square / this, where the norm is nearly "
+        "linear; weights keep the LLaMA's scale (0 keeps rms_norm_eps; larger is closer to the paper's regime, less "
+        "faithful)")})
+    evaluate: bool = field(default=True, metadata={"help": (
+        "measure held-out perplexity and KL of source and converted model (--no-evaluate skips it)")})
+    eval_text: str | None = field(default=None, metadata={"help": "held-out text file (default: built-in)"})
+    eval_tokens: int = field(default=2048, metadata={"help": "tokens of held-out text to score"})
+    seq_len: int = field(default=512, metadata={"help": "sequence length of calibration and evaluation windows"})
+    max_shard_size: str = field(default="2GB", metadata={"help": (
+        "largest safetensors shard, e.g. 500MB or 5GB, as in save_pretrained (Python callers may give bytes)")})
+    seed: int = field(default=0, metadata={"help": "seed of the λ vectors"})
+    diff_version: int = field(default=2, metadata={"choices": [1, 2], "help": (
+        "differential attention of the converted model: 2 = DIFF V2 (Microsoft, 2026), an exact conversion (the "
+        "default); 1 = the paper's, calibrated (the options above marked version 1 apply to it only)")})
+
+
+@dataclass
+class ConvertCommandOptions:
+    overwrite: bool = field(default=False, metadata={"help": "replace OUTPUT if it exists"})
+    prompt: str | None = field(default=None, metadata={"help": "after converting, answer this prompt with the model"})
+
+
+# ---- recover and train --------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class TrainingRunOptions:
+    """What `diff-llama train` and `diff-llama recover` share; each field is also a command-line option."""
+
+    output: str = field(metadata={"help": "folder for checkpoints and the final model (new or empty, or with "
+                                          "--resume one that holds this run's checkpoints)"})
+    lora: bool = field(default=False, metadata={"help": "train LoRA adapters (+ λ) instead of every weight"})
+    lora_mlp: bool = field(default=False, metadata={"help": "with --lora, also adapt the MLP projections"})
+    lora_rank: int = field(default=16, metadata={"help": "LoRA rank"})
+    max_steps: int = field(default=-1, metadata={"help": "stop after this many optimiser steps"})
+    learning_rate: float | None = None
+    lambda_learning_rate: float = 1e-2
+    batch_size: int = field(default=4, metadata={"help": "examples per step"})
+    block_size: int = field(default=256, metadata={"help": "tokens per example"})
+    resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint-N in --output"})
+    seed: int = field(default=0, metadata={"help": "seed of initialisation, data order and sampling"})
+
+
+@dataclass(kw_only=True)
+class FineTuneOptions(TrainingRunOptions):
+    """`diff-llama train`: fine-tuning with the Trainer, fully or with LoRA."""
+
+    data: str = field(metadata={"help": "training text: a .txt/.md/.rst/.jsonl file or a folder of them"})
+    merge: bool = field(default=False, metadata={"help": "with --lora, save the merged model instead of the adapter"})
+    epochs: float = field(default=1.0, metadata={"help": "passes over the data (--max-steps overrides it)"})
+    learning_rate: float | None = field(default=None, metadata={"help": "default: 5e-5, or 2e-4 with --lora"})
+    lambda_learning_rate: float = field(default=1e-2, metadata={"help": "learning rate of the λ vectors"})
+    gradient_accumulation: int = field(default=1, metadata={"help": "steps to accumulate before each update"})
+    save_steps: int = field(default=100, metadata={"help": "checkpoint interval in steps (the last two are kept)"})
+    logging_steps: int = field(default=10, metadata={"help": "log the loss and λ every N steps (and at the end)"})
+    monitor: bool = field(default=True, metadata={"help": (
+        "log λ and differential-map statistics (--no-monitor turns it off)")})
+
+
+@dataclass(kw_only=True)
+class RecoveryOptions(TrainingRunOptions):
+    """`diff-llama recover`: distillation from the source LLaMA with a λ floor. The budget is `minutes` of training
+    time, or `max_steps` steps when that is set."""
+
+    source: str | None = field(default=None, metadata={"help": (
+        "the source LLaMA (folder, .gguf, Hub id or 'smollm2'; default: the one recorded in MODEL/"
+        "conversion_report.json)")})
+    data: str | None = field(default=None, metadata={"help": "training text (file or folder; default: built-in text)"})
+    generate: int = field(default=0, metadata={"help": (
+        "train on this many tokens sampled from the source itself instead (not with --data)")})
+    minutes: float = field(default=30.0, metadata={"help": "training-time budget (evaluation excluded)"})
+    learning_rate: float | None = field(default=None, metadata={"help": "default: 1e-5, or 1e-4 with --lora"})
+    lambda_learning_rate: float = field(default=5e-4, metadata={"help": "learning rate of the λ vectors"})
+    lambda_floor: float = field(default=0.12, metadata={"help": "penalise any layer's λ below this (0 disables)"})
+    lambda_floor_ramp_steps: int = field(default=30, metadata={"help": "steps over which the floor rises to its value"})
+    lr_schedule: Literal["linear", "constant"] = field(default="linear", metadata={"help": (
+        "linear: decay to 0 over the budget (time or steps); constant: keep it")})
+    eval_tokens: int = field(default=2048, metadata={"help": "held-out tokens scored for the perplexity curve"})
+    eval_minutes: float = field(default=2.5, metadata={"help": "measure held-out perplexity every this many minutes"})
+    save_steps: int = field(default=50, metadata={"help": "checkpoint interval in steps (the last one is kept)"})
+    threads: int | None = field(default=None, metadata={"help": "CPU threads (default: torch's)"})
+
+    def __post_init__(self):
+        if self.data and self.generate:
+            raise ValueError("give either --data or --generate, not both.")
+        if self.max_steps <= 0 and not self.minutes > 0:
+            raise ValueError("give a budget: --minutes above 0 or --max-steps.")
+
+    @property
+    def by_time(self) -> bool:
+        return self.max_steps <= 0
+
+
+# ---- generate, attention-map, push, export-builtin, demo ----------------------------------------------------------
+
+
+@dataclass
+class GenerateOptions:
+    max_new_tokens: int = field(default=200, metadata={"help": "tokens to generate at most"})
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy; above 0 samples"})
+    top_p: float = field(default=0.95, metadata={"help": "nucleus sampling (with --temperature)"})
+    seed: int = field(default=0, metadata={"help": "sampling seed"})
+    raw: bool = field(default=False, metadata={"help": "send the prompt as plain text, ignoring the chat template"})
+
+
+@dataclass
+class AttentionMapOptions:
+    text: str = field(metadata={"help": "text to look at (short texts give readable token labels)"})
+    layer: int = field(metadata={"help": "layer index, from 0"})
+    head: int | None = field(default=None, metadata={"help": "differential head (or LLaMA head), from 0; default: all"})
+    source: str | None = field(default=None, metadata={"help": "the source LLaMA, to draw its head next to them"})
+    output: str = field(default="attention-maps", metadata={"help": "folder for the PNGs"})
+    overwrite: bool = field(default=False, metadata={"help": "replace PNGs of this layer already in --output"})
+
+
+@dataclass
+class PushOptions:
+    private: bool = field(default=False, metadata={"help": "create the repository as private"})
+    token: str | None = field(default=None, metadata={"help": "Hub token (default: the logged-in one)"})
+    keep_card: bool = field(default=False, metadata={"help": "upload MODEL/README.md as it is"})
+    dry_run: bool = field(default=False, metadata={"help": "list what would be uploaded and stop"})
+
+
+@dataclass
+class DemoOptions:
+    output: str = field(default="outputs/demo-model", metadata={"help": "folder for the saved model"})
+    steps: int = field(default=300, metadata={"help": "training steps"})
+    overwrite: bool = field(default=False, metadata={"help": "replace --output if it holds files"})
+
+
+# ---- evaluate and adapt -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RetrievalArguments:
+    """Options of `diff-llama evaluate` and of `retrieval.evaluate_models`."""
+
+    output: str = field(default="outputs/evaluate", metadata={
+        "help": "folder for retrieval.json, retrieval.md, retrieval.png and cases.jsonl (new or empty)"})
+    names: list[str] | None = field(default=None, metadata={"help": "labels for the models in the tables"})
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096], metadata={
+        "help": "context lengths in tokens (the whole prompt, chat template included)"})
+    settings: list[str] = field(default_factory=lambda: ["1x1", "2x2", "4x2", "6x2"], metadata={
+        "help": "NxR: N needles in the context, R of them queried"})
+    depths: list[float] = field(default_factory=lambda: [0.0, 25.0, 50.0, 75.0, 100.0], metadata={
+        "help": "depths of the answer needle, in percent of the context"})
+    cases_per_depth: int = field(default=2, metadata={"help": "cases per (length, NxR, depth)"})
+    seed: int = field(default=0, metadata={"help": "seed of the cases (the same cases for every model)"})
+    max_new_tokens: int = field(default=48, metadata={"help": "greedy tokens generated per case"})
+    chat_template: bool = field(default=True, metadata={"help": "use the tokenizer's chat template when it has one"})
+    attention: bool = field(default=True, metadata={"help": "measure attention allocation"})
+    perplexity_tokens: int = field(default=2048, metadata={
+        "help": "tokens of held-out text (standard-library docstrings) for perplexity; 0 skips it"})
+    threads: int = field(default=2, metadata={"help": "torch CPU threads (0: torch's default)"})
+    dtype: str = field(default="float32", metadata={
+        "help": "float32, bfloat16, float16, or auto (bfloat16 where the device computes it in hardware, else "
+        "float32)"})
+    device: str = field(default="cpu", metadata={"help": "cpu, cuda, ..."})
+
+    def parsed_settings(self) -> list[tuple[int, int]]:
+        result = []
+        for text in self.settings:
+            parts = re.split(r"[x:,]", text.lower())
+            if len(parts) != 2:
+                raise ValueError(f"setting {text!r} is not NxR (e.g. 4x2)")
+            result.append((int(parts[0]), int(parts[1])))
+        return result
+
+
+@dataclass
+class EvaluateCommandOptions:
+    overwrite: bool = field(default=False, metadata={
+        "help": "replace the contents of --output (written beside it first, swapped in when the run is done)"})
+
+
+@dataclass
+class AdaptationOptions:
+    """Options of `diff-llama adapt` and of `adaptation.adapt`."""
+
+    # The defaults are the recipe documented as adapt's default (docs: adaptation and evaluation): examples up to 4K
+    # tokens, long enough for the differential heads to matter, and few enough steps for a CPU.
+    max_steps: int = field(default=90, metadata={"help": "optimiser steps (one retrieval example each)"})
+    max_cpu_minutes: float = field(default=60.0, metadata={
+        "help": "stop earlier once the training steps have used this many CPU-minutes (evaluations excluded)"})
+    learning_rate: float = field(default=3e-5, metadata={"help": "AdamW learning rate (peak)"})
+    lambda_learning_rate: float = field(default=1e-2, metadata={"help": "version 1's λ vectors' learning rate"})
+    differential_learning_rate: float = field(default=1e-3, metadata={
+        "help": "DIFF V2: learning rate (peak) of the λ projection and of each pair's second query head, what the "
+        "conversion adds to the source"})
+    warmup_steps: int = field(default=20, metadata={"help": "linear warm-up steps, then linear decay to 0"})
+    differential_warmup_steps: int | None = field(default=None, metadata={
+        "help": "DIFF V2: warm-up steps of the λ projection and the second query heads alone (default: warmup_steps)"})
+    min_length: int = field(default=384, metadata={"help": "shortest retrieval example, in tokens"})
+    max_length: int = field(default=4096, metadata={"help": "longest retrieval example, in tokens"})
+    long_length: int = field(default=0, metadata={
+        "help": "0: off. Above max_length: a long_fraction share of the retrieval examples is drawn from "
+        "(max_length, long_length] tokens instead, so a model sees long contexts for a fraction of their cost"})
+    long_fraction: float = field(default=0.25, metadata={"help": "share of long examples when long_length is set"})
+    max_needles: int = field(default=8, metadata={"help": "needles per example: 1 .. this"})
+    max_queries: int = field(default=3, metadata={"help": "queried needles per example: 1 .. min(this, needles)"})
+    text_every: int = field(default=2, metadata={"help": "a language-modelling block every this many steps (0: none)"})
+    text_block: int = field(default=512, metadata={"help": "tokens per language-modelling block"})
+    kl_weight: float = field(default=0.0, metadata={
+        "help": "weight of KL(model before training || model) on the text blocks (0: off; costs one more forward)"})
+    autocast: str = field(default="auto", metadata={
+        "help": "autocast dtype of the forward pass: auto (bfloat16 where the CPU has bf16 units, else none), "
+        "bfloat16, float16, or none (float32)"})
+    eval_every: int = field(default=45, metadata={"help": "steps between held-out probes (0: only at the end)"})
+    eval_cases: int = field(default=2, metadata={"help": "probe cases per (N x R, depth) at each probe length"})
+    eval_lengths: list[int] = field(default_factory=lambda: [2048], metadata={"help": "probe context lengths"})
+    eval_settings: list[str] = field(default_factory=lambda: ["4x2", "6x2"], metadata={"help": "probe N x R"})
+    frozen_layers: int = field(default=0, metadata={
+        "help": "keep the input embeddings (and an lm head tied to them) and the first this many decoder layers "
+        "fixed: no backward pass runs below the first trained layer, so a step costs less (0: train everything)"})
+    threads: int = field(default=1, metadata={"help": "torch CPU threads (0: torch's default)"})
+    seed: int = field(default=0, metadata={"help": "seed of the data order and the examples"})
+    save: bool = field(default=True, metadata={"help": "save the trained model (and tokenizer) into OUTPUT"})
+
+
+@dataclass
+class AdaptCommandOptions:
+    name: str | None = field(default=None, metadata={"help": "label in the curves (default: the model's folder name)"})
+
+
+# ---- serve --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ServeOptions:
+    """The options of transformers serve that matter for one model; `diff-llama serve` passes them through."""
+
+    host: str = field(default="localhost", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "port to listen on"})
+    device: str = field(default="auto", metadata={"help": "device for inference: auto, cpu, cuda, cuda:0, ..."})
+    dtype: str = field(default="auto", metadata={
+        "help": "dtype of the weights: auto (the checkpoint's), float32, bfloat16, float16"})
+    attn_implementation: str | None = field(default=None, metadata={
+        "help": "attention implementation: eager, sdpa, flex_attention, ... (default: the model's)"})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "load a DiffLlama with the modeling code saved in its folder instead of this package's"})
+    quantization: str | None = field(default=None, metadata={"help": "bnb-4bit or bnb-8bit (needs bitsandbytes)"})
+    continuous_batching: bool = field(default=False, metadata={"help": "continuous batching with paged attention"})
+    log_level: str = field(default="warning", metadata={"help": "server log level: debug, info, warning, error"})
