@@ -137,3 +137,29 @@ def test_transformers_serve_loader_alone_would_build_the_builtin_class(model_dir
     manager.quantization = None
     with pytest.raises(ValueError, match="`num_key_value_heads` to be even"):
         manager._load_model(f"{model_dir}@main")
+
+
+@pytest.mark.parametrize("model", ["{tmp}/outputs/SmolLM2-diff-typo", "{tmp}/nowhere/model.gguf", "{tmp}/not-a-model"])
+def test_serve_fails_fast_in_one_line_on_a_model_that_is_not_there(tmp_path, model):
+    """`serve` resolves its model like every other command before transformers' server starts: a mistyped folder
+    is never tried on the Hub (minutes of retries)."""
+    (tmp_path / "outputs").mkdir()
+    (tmp_path / "not-a-model").mkdir()
+    env = dict(os.environ, PYTHONPATH=SRC, HF_HUB_OFFLINE="0")  # online: a Hub lookup would hang, not fail
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "diff_llama.cli", "serve", model.format(tmp=tmp_path),
+                             "--port", str(_free_port())], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    err = result.stderr.strip()
+    assert err.startswith("diff-llama serve: error:") and "\n" not in err, err
+    assert "no such" in err or "no config.json" in err
+    assert time.monotonic() - started < 60  # the import of torch and transformers, no Hub retries
+
+
+def test_serve_preloads_a_gguf_file_under_transformers_serves_name(tmp_path, monkeypatch):
+    from diff_llama import serving
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    monkeypatch.setattr("diff_llama.resolve.require_gguf", lambda: None)
+    assert serving.server_model_name(str(tmp_path / "m.gguf")) == f"{tmp_path}:m.gguf"
+    assert serving.server_model_name("someone/model") == "someone/model"  # a Hub id goes to the server as it is
