@@ -18,11 +18,21 @@ from diff_llama.adaptation import (
     check_options,
     differential_factor,
     learning_rate_factor,
-    main,
+    run_adapt,
     pair_divergence,
     training_sentences,
 )
 from diff_llama.retrieval import HELD_OUT_CITIES, TRAINING_CITIES, filler_sentences
+
+
+
+def main(argv):
+    """`diff-llama adapt ARGV`, raising its errors (the command line prints them in one line)."""
+    from diff_llama_cli import parse
+
+    model, output, options, command = parse("adapt", argv)
+    return run_adapt(model, output, options, name=command.name)
+
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
