@@ -103,6 +103,44 @@ def test_the_docs_keep_their_examples():
     assert len([b for b in blocks if not b.skip]) >= 8, "the docs lost their examples (or the block finder broke)"
 
 
+def documented_commands() -> list[tuple[str, str, list[str]]]:
+    """(where, command, options) of every `diff-llama COMMAND ...` line in a ```bash block of the docs."""
+    found = []
+    for page in documented_pages():
+        text = page.read_text(encoding="utf-8")
+        for block in re.finditer(r"^```bash\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE):
+            first = text.count("\n", 0, block.start()) + 2
+            for offset, line in enumerate(block.group(1).splitlines()):
+                command = re.match(r"\s*(?:\S+/)?diff-llama\s+([a-z-]+)(.*)", line.split("#")[0])
+                if command:
+                    options = re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*)", command.group(2))
+                    where = f"{page.relative_to(ROOT)}:{first + offset}"
+                    found.append((where, command.group(1), options))
+    return found
+
+
+def test_documented_commands_and_options_exist():
+    """Bash blocks are not run, but every `diff-llama COMMAND --option` they show must be one the CLI has."""
+    commands = documented_commands()
+    assert len(commands) >= 10
+    helps, wrong = {}, []
+    for where, command, options in commands:
+        if command not in helps:
+            done = subprocess.run([sys.executable, "-c", "import sys; from diff_llama_cli import main; "
+                                   "sys.exit(main(sys.argv[1:]))", command, "--help"],
+                                  capture_output=True, text=True, timeout=120)
+            names = set(re.findall(r"--[a-z][a-z0-9_-]*", done.stdout)) if done.returncode == 0 else None
+            helps[command] = names and names | {name.replace("_", "-") for name in names}
+        if helps[command] is None:
+            wrong.append(f"{where}: no command `diff-llama {command}`")
+            continue
+        for option in options:
+            plain = "--" + option[len("--no-"):] if option.startswith("--no-") else option
+            if plain not in helps[command]:
+                wrong.append(f"{where}: `diff-llama {command}` has no option {option}")
+    assert not wrong, "\n".join(wrong)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Running the pages: one scratch folder per page, its blocks in order, two pages at a time.
 
