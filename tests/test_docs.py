@@ -103,6 +103,33 @@ def test_the_docs_keep_their_examples():
     assert len([b for b in blocks if not b.skip]) >= 8, "the docs lost their examples (or the block finder broke)"
 
 
+def heading_anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings."""
+    anchors = set()
+    for line in page.read_text(encoding="utf-8").splitlines():
+        heading = re.match(r"#+\s+(.*)", line)
+        if heading:
+            anchors.add(re.sub(r"[^\w\s-]", "", heading.group(1).strip().lower()).replace(" ", "-"))
+    return anchors
+
+
+def test_links_between_the_pages_lead_somewhere():
+    pages = [*documented_pages(), ROOT / "bench" / "results" / "README.md"]
+    broken = []
+    for page in pages:
+        text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.DOTALL | re.MULTILINE)
+        for link in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", link):
+                continue
+            path, _, anchor = link.partition("#")
+            target = (page.parent / path).resolve() if path else page
+            if not target.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {link} (no such file)")
+            elif anchor and target.suffix == ".md" and anchor not in heading_anchors(target):
+                broken.append(f"{page.relative_to(ROOT)}: {link} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
 def documented_commands() -> list[tuple[str, str, list[str]]]:
     """(where, command, options) of every `diff-llama COMMAND ...` line in a ```bash block of the docs."""
     found = []
