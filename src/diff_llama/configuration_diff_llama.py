@@ -14,6 +14,7 @@ REMOTE_CODE_FILES = (
     "modeling_diff_llama.py",
     "differential_kernels.py",
     "tensor_parallel_diff_llama.py",
+    "compat_diff_llama.py",
 )
 # Written into every saved config (save_pretrained alone records only the class being saved).
 AUTO_MAP = {

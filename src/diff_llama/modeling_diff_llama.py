@@ -7,7 +7,8 @@ transformers' built-in `diffllama`, so its checkpoints load unchanged. Version 2
 2i and 2i + 1 of one ordinary attention call are subtracted with a per-token λ = sigmoid(lambda_proj(x)).
 
 The differential kernels and their dispatch live in `differential_kernels.py`, the tensor-parallel layout and plan
-styles in `tensor_parallel_diff_llama.py`. This file and those siblings import only torch, transformers and each other
+styles in `tensor_parallel_diff_llama.py`, and what differs between the supported transformers versions (the KV
+cache's name above all) in `compat_diff_llama.py`. This file and those siblings import only torch, transformers and each other
 (relative imports), so `save_pretrained` copies them next to the weights and a saved model loads as remote code
 (`trust_remote_code=True`) where this package is not installed.
 """
@@ -25,7 +26,6 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import WeightRenaming
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
     GenericForSequenceClassification,
@@ -34,7 +34,7 @@ from transformers.modeling_layers import (
 )
 from transformers.modeling_rope_utils import dynamic_rope_update
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -44,10 +44,17 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
-from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .compat_diff_llama import (
+    CACHE_NAME,
+    accepts_past_key_values,
+    cache_kwargs,
+    causal_mask,
+    output_cache,
+    slice_logits_to_keep,
+)
 from .configuration_diff_llama import REMOTE_CODE_FILES, DiffLlamaConfig
 # Besides what this file uses, the kernels, their registry and the TP layout stay importable from here (noqa: F401).
 from .differential_kernels import (  # noqa: F401
@@ -229,7 +236,7 @@ class DiffLlamaAttention(nn.Module):
         eps = config.head_norm_epsilon(layer_idx)
         self.head_norm = DiffLlamaHeadNorm(2 * self.head_dim, eps=eps, elementwise_affine=False)
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -335,7 +342,7 @@ class DiffLlamaV2Attention(nn.Module):
         )
         self.differential_lambda = DiffLlamaV2Lambda(config.hidden_size, self.num_differential_heads)
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -408,7 +415,7 @@ class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = DiffLlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DiffLlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -444,7 +451,7 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DiffLlamaDecoderLayer"]
-    _skip_keys_device_placement = ["cache"]
+    _skip_keys_device_placement = [CACHE_NAME]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -552,7 +559,7 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
 
         self.post_init()
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_past_key_values
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -579,13 +586,7 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            cache=cache,
-            position_ids=position_ids,
-        )
+        mask = causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids)
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
@@ -593,16 +594,16 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states = decoder_layer(
                 hidden_states,
-                attention_mask=causal_mask,
+                attention_mask=mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                cache=cache,
                 use_cache=use_cache,
+                **cache_kwargs(cache),
                 **kwargs,
             )
 
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_kwargs(cache))
 
 
 class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
@@ -618,7 +619,7 @@ class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
 
         self.post_init()
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @accepts_past_key_values
     @can_return_tuple
     def forward(
         self,
@@ -652,9 +653,9 @@ class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            cache=outputs.cache,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            **cache_kwargs(output_cache(outputs)),
         )
 
 

@@ -72,8 +72,12 @@ if is_torch_distributed_available():
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
-    from transformers.distributed.tensor_parallel import ReplicatedWithGradAllReduce, TensorParallelLayer
+    # `ALL_PARALLEL_STYLES` moved to `parallel_utils` in newer transformers; `tensor_parallel` exports it in all.
+    from transformers.distributed.tensor_parallel import (
+        ALL_PARALLEL_STYLES,
+        ReplicatedWithGradAllReduce,
+        TensorParallelLayer,
+    )
 
     class _SumGradientAcrossRanks(torch.autograd.Function):
         """Identity forward; backward sums the gradient over the TP group (each rank's heads give a part of it)."""
