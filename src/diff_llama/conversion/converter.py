@@ -16,22 +16,15 @@ from diff_llama_cli.options import ConversionOptions
 from .. import configuration_diff_llama
 from ..configuration_diff_llama import DiffLlamaConfig
 from ..corpus import CALIBRATION_MODULES, HELD_OUT_MODULES, stdlib_docstrings
-from ..modeling_diff_llama import LAMBDA_VECTOR_NAMES, lambda_init_fn
-from .calibration import CalibrationSettings, LayerwiseRunner, fold_head_norm_gain, weight_only_head_norm_eps
-from .diff_v2 import LAMBDA_PROJ, convert_attention_weights_v2, double_o_proj, paired_query_sources, zero_lambda_proj
+from ..modeling_diff_llama import LAMBDA_VECTOR_NAMES
+from .calibration import LayerwiseRunner
+from .diff_v2 import LAMBDA_PROJ
 from .errors import ConversionError
 from ..model_card import write_model_card
 from ..resolve import clean_tokenizer_config, save_tokenizer
-from .head_layout import (
-    HeadLayout,
-    convert_attention_weights,
-    expand_layout,
-    gather_head_rows,
-    permute_o_proj,
-    split_layout,
-    zero_lambda_vectors,
-)
-from .source import FLOAT_DTYPES, SAFETENSORS_DTYPES, TOKENIZER_FILES, LlamaSource, open_source, source_license
+from .head_layout import HeadLayout, expand_layout, split_layout
+from .source import FLOAT_DTYPES, TOKENIZER_FILES, LlamaSource, open_source, source_license
+from .versions import DiffV1Conversion, DiffV2Conversion, LayerOutput, VersionConversion
 from .writer import AtomicOutputFolder, StreamingSafetensorsWriter
 
 # The checkpoint's tensor schema, in one place: the tensors of one LLaMA decoder layer in the order the converter
@@ -159,24 +152,20 @@ def make_layout(source_heads: int, source_kv_heads: int, options: ConversionOpti
     return layout
 
 
+def conversion_for(source_config, options: ConversionOptions) -> VersionConversion:
+    """The one place the diff version is looked at: the conversion of that version, for this LLaMA."""
+    if options.diff_version == 2:
+        return DiffV2Conversion(source_config, options)
+    layout = make_layout(source_config.num_attention_heads, source_config.num_key_value_heads, options)
+    return DiffV1Conversion(source_config, options, layout)
+
+
 def diff_config_for(source_config, layout: HeadLayout | None) -> DiffLlamaConfig:
     """The DiffLlama config of the converted model: the LLaMA's fields with the new head counts. `layout` None: DIFF
     V2, twice the LLaMA's query heads over its own KV heads."""
-    values = source_config.to_dict()
-    for key in ("model_type", "architectures", "transformers_version", "auto_map", "pretraining_tp", "_name_or_path",
-                "quantization_config", "dtype"):
-        values.pop(key, None)
     if layout is None:
-        heads = dict(num_attention_heads=2 * source_config.num_attention_heads,
-                     num_key_value_heads=source_config.num_key_value_heads, diff_version=2)
-    else:
-        heads = dict(num_attention_heads=layout.num_heads, num_key_value_heads=layout.num_kv_heads)
-    values.update(heads, head_dim=source_config.head_dim, attention_dropout=0.0)
-    config = DiffLlamaConfig(**values)
-    config.architectures = ["DiffLlamaForCausalLM"]
-    config.dtype = getattr(source_config, "dtype", None)
-    return config
-
+        return DiffV2Conversion(source_config, ConversionOptions()).config
+    return DiffV1Conversion(source_config, ConversionOptions(diff_version=1), layout).config
 
 def check_source(source: LlamaSource) -> list[str]:
     """Every tensor the conversion needs exists with the shape the config implies; returns the plan (names)."""
@@ -254,11 +243,11 @@ def convert_llama_to_diff_llama(
     src = open_source(source)
     config = src.config
     names = check_source(src)
-    layout = make_layout(config.num_attention_heads, config.num_key_value_heads, options)
-    diff_config = diff_config_for(config, layout)
+    version = conversion_for(config, options)
+    diff_config = version.config
     out_dtype = src.get("model.norm.weight").dtype  # the converted model keeps the checkpoint's dtype
 
-    calibrating = options.calibration != "none" and layout is not None  # DIFF V2 is exact: nothing to calibrate
+    calibrating = version.calibrating
     # A folder's tokenizer files are copied as they are; loading the tokenizer costs time only worth paying when
     # text is encoded or the tokenizer lives inside a GGUF file.
     needs_tokenizer = calibrating or options.evaluate or src.description.endswith(".gguf")
@@ -285,81 +274,44 @@ def convert_llama_to_diff_llama(
             calibration_tokens=options.calibration_tokens,
             eval_tokens=options.eval_tokens,
         )
-    settings = CalibrationSettings(method=options.calibration, head_norm_headroom=options.head_norm_headroom)
 
     layer_diagnostics = []
-    head_norm_eps = []  # version 1, per layer, set by calibration
     with target as folder:
         max_shard_bytes = convert_file_size_to_int(options.max_shard_size)
         writer = StreamingSafetensorsWriter(folder, write_plan(diff_config, out_dtype), max_shard_bytes)
-        layer_tensors = OUTPUT_LAYER_TENSORS if layout is not None else OUTPUT_LAYER_TENSORS_V2
+        out = LayerOutput(src, writer, out_dtype, config.head_dim)
         # Layers are the unit of work (calibration takes seconds per layer, streaming milliseconds): count them, ETA.
         bar = tqdm(total=config.num_hidden_layers, unit="layer", disable=not progress,
                    desc="converting and calibrating" if calibrating else "converting")
 
-        def copy_tensor(name, keep=True):
-            """Copy a tensor unchanged; as raw bytes when it need not be decoded (the fast path)."""
-            shape, dtype = src.tensor_info(name)
-            location = src.location(name)
-            if not keep and location is not None and dtype == SAFETENSORS_DTYPES[out_dtype]:
-                writer.add_bytes(name, shape, out_dtype, *location)
-                tensor = None
-            else:
-                tensor = src.get(name)
-                writer.add(name, tensor.to(out_dtype))
-            return tensor
-
-        copy_tensor("model.embed_tokens.weight", keep=False)
+        out.copy("model.embed_tokens.weight", keep=False)
         for layer in range(config.num_hidden_layers):
             prefix = f"model.layers.{layer}."
             if runner is None:  # nothing runs the model: stream, copying stored bytes wherever possible
-                eps = _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype, copy_tensor)
-                head_norm_eps.append(eps or config.rms_norm_eps)
-                bar.update(1)
-                continue
-            attention = {name: src.get(prefix + name) for name in LAYER_TENSORS if name.startswith("self_attn.")}
-            projections = [attention[f"self_attn.{p}.weight"] for p in ATTENTION_PROJECTIONS]
-            if layout is None:
-                new_attention = convert_attention_weights_v2(*projections, config.head_dim)
+                version.stream_layer(layer, prefix, out)
             else:
-                new_attention = convert_attention_weights(*projections, layout, config.head_dim)
-                new_attention.update(_lambda_vectors(layer, diff_config, options))
-            converted = {(f"self_attn.{p}.weight" if p.endswith("proj") else f"self_attn.{p}"): t
-                         for p, t in new_attention.items()}
-            source_tensors = {**attention, **{n: src.get(prefix + n) for n in LAYER_TENSORS if n not in attention}}
-            converted = {**source_tensors, **converted}
-            version_1 = layout is not None
-            eps = _weight_only_calibration(converted, layer, options) if version_1 and not calibrating else None
-            source_layer, converted_layer = runner.build_layers(layer, source_tensors, converted)
-            if calibrating:
-                diagnostics = runner.calibrate(source_layer, converted_layer, settings)  # sets the layer's eps
-                layer_diagnostics.append({"layer": layer, **diagnostics})
-                fitted = converted_layer.self_attn.o_proj.weight.detach()
-                converted["self_attn.o_proj.weight"] = fitted.to(out_dtype)
-                # continue the streams with exactly the weights that are written
-                converted_layer.self_attn.o_proj.weight.data = converted["self_attn.o_proj.weight"].float()
-            elif version_1:
-                converted_layer.self_attn.head_norm.eps = eps if eps is not None else config.rms_norm_eps
-            if version_1:
-                head_norm_eps.append(converted_layer.self_attn.head_norm.eps)
-            runner.advance(source_layer, converted_layer)
-
-            for name in layer_tensors:
-                writer.add(prefix + name, converted[name].to(out_dtype))
+                source_tensors = {name: src.get(prefix + name) for name in LAYER_TENSORS}
+                converted = {**source_tensors, **version.convert_attention(layer, source_tensors)}
+                source_layer, converted_layer = runner.build_layers(layer, source_tensors, converted)
+                diagnostics = version.fit_layer(layer, converted, runner, source_layer, converted_layer, out_dtype)
+                if diagnostics is not None:
+                    layer_diagnostics.append(diagnostics)
+                runner.advance(source_layer, converted_layer)
+                for name in version.layer_tensors:
+                    out.add(prefix + name, converted[name])
             bar.update(1)
 
         evaluate = options.evaluate
-        norm = copy_tensor("model.norm.weight", keep=evaluate)
+        norm = out.copy("model.norm.weight", keep=evaluate)
         if config.tie_word_embeddings:
             lm_head = src.get("model.embed_tokens.weight") if evaluate else None
         else:
-            lm_head = copy_tensor("lm_head.weight", keep=evaluate)
+            lm_head = out.copy("lm_head.weight", keep=evaluate)
         writer.close()
         bar.close()
         quality = runner.quality(norm, lm_head, config.rms_norm_eps) if options.evaluate else {}
 
-        if head_norm_eps and head_norm_eps != [config.rms_norm_eps] * len(head_norm_eps):
-            diff_config.head_norm_eps = head_norm_eps
+        version.finish_config()
         diff_config.save_pretrained(folder)
         for name in configuration_diff_llama.REMOTE_CODE_FILES:  # remote code next to the weights
             shutil.copyfile(Path(configuration_diff_llama.__file__).with_name(name), folder / name)
@@ -383,77 +335,10 @@ def convert_llama_to_diff_llama(
     return report
 
 
-def _weight_only_calibration(converted: dict, layer: int, options: ConversionOptions) -> float | None:
-    """Version 1 without calibration text: the head-norm epsilon estimated from the weights, its gain folded into
-    o_proj (in `converted`, in place). Returns the epsilon, None when `--head-norm-headroom 0` keeps rms_norm_eps."""
-    eps = weight_only_head_norm_eps(converted["self_attn.v_proj.weight"], converted["input_layernorm.weight"],
-                                    options.head_norm_headroom)
-    if eps is not None:
-        o_proj = converted["self_attn.o_proj.weight"]
-        converted["self_attn.o_proj.weight"] = fold_head_norm_gain(o_proj.float(), eps, lambda_init_fn(layer)).to(o_proj.dtype)
-    return eps
-
-
-def _stream_layer(src, writer, prefix, layer, layout, diff_config, options, out_dtype, copy_tensor) -> float | None:
-    """Write one converted layer without running it: q/k/v are row-block gathers of the stored tensors (kernel
-    copies), o_proj is permuted and scaled (version 1, see `_weight_only_calibration`) or doubled (DIFF V2) in memory,
-    everything else is copied unchanged. `layout` None: DIFF V2. Returns version 1's head-norm epsilon (None:
-    rms_norm_eps)."""
-    head_dim, hidden = diff_config.head_dim, diff_config.hidden_size
-    o_proj = src.get(prefix + "self_attn.o_proj.weight")
-    eps = None
-    if layout is None:
-        names, query_sources = OUTPUT_LAYER_TENSORS_V2, paired_query_sources(diff_config.num_attention_heads // 2)
-        kv_sources = tuple(range(diff_config.num_key_value_heads))
-        extra = {LAMBDA_PROJ: zero_lambda_proj(diff_config.num_attention_heads // 2, hidden, out_dtype)}
-        new_o_proj = double_o_proj(o_proj)
-    else:
-        names, query_sources, kv_sources = OUTPUT_LAYER_TENSORS, layout.query_sources, layout.kv_sources
-        extra = {f"self_attn.{n}": v for n, v in _lambda_vectors(layer, diff_config, options).items()}
-        attention = {
-            "self_attn.o_proj.weight": permute_o_proj(o_proj, layout, head_dim),
-            "self_attn.v_proj.weight": gather_head_rows(src.get(prefix + "self_attn.v_proj.weight"),
-                                                        layout.kv_sources, head_dim),
-            "input_layernorm.weight": src.get(prefix + "input_layernorm.weight"),
-        }
-        eps = _weight_only_calibration(attention, layer, options)
-        new_o_proj = attention["self_attn.o_proj.weight"]
-    for name in names:
-        full = prefix + name
-        if name in extra:
-            writer.add(full, extra[name].to(out_dtype))
-        elif name == "self_attn.o_proj.weight":
-            writer.add(full, new_o_proj.to(out_dtype))
-        elif name.startswith("self_attn."):
-            sources = query_sources if name.startswith("self_attn.q_proj") else kv_sources
-            shape, dtype = src.tensor_info(full)
-            location = src.location(full)
-            if location is not None and dtype == SAFETENSORS_DTYPES[out_dtype]:
-                file, offset, length = location
-                block_bytes = length // (shape[0] // head_dim)
-                writer.add_row_blocks(full, (len(sources) * head_dim, hidden), out_dtype, file, offset, block_bytes,
-                                      sources)
-            else:
-                writer.add(full, gather_head_rows(src.get(full), sources, head_dim).to(out_dtype))
-        else:
-            copy_tensor(full, keep=False)
-    return eps
-
-
 def write_plan(config: DiffLlamaConfig, dtype: torch.dtype) -> list:
     """Every output tensor (name, shape, dtype) in the order the converter writes them."""
     layer_tensors = OUTPUT_LAYER_TENSORS_V2 if config.diff_version == 2 else OUTPUT_LAYER_TENSORS
     return [(name, shape, dtype) for name, shape in checkpoint_schema(config, layer_tensors).items()]
-
-
-def _lambda_vectors(layer: int, config: DiffLlamaConfig, options: ConversionOptions) -> dict:
-    if options.lambda_start == "zero":
-        return zero_lambda_vectors(lambda_init_fn(layer), config.head_dim, seed=options.seed + layer)
-    generator = torch.Generator().manual_seed(options.seed + layer)
-    return {
-        name: torch.randn(config.head_dim, generator=generator) * config.lambda_std_dev
-        for name in LAMBDA_VECTORS
-    }
 
 
 def _copy_side_files(src: LlamaSource, folder: Path, tokenizer) -> None:
