@@ -47,6 +47,77 @@ def tiny_model(dtype=torch.float32, seed=0, **overrides) -> DiffLlamaForCausalLM
     return model.eval()
 
 
+# (H, G) layouts the model is checked on against the reference.
+# Version 1: odd G, G = 1 (multi-query), H/2 odd, G = H, even G with H/2 odd.
+LAYOUTS = [(6, 3), (6, 1), (2, 1), (8, 4), (8, 1), (6, 6), (12, 3), (10, 2)]
+# DIFF V2 (G divides H/2): H/2 odd (the SmolLM2 conversion has H/2 = 9), G = 1, G = H/2, several groups.
+V2_LAYOUTS = [(6, 3), (6, 1), (2, 1), (8, 4), (8, 2), (18, 3), (12, 2)]
+
+
+def randomise_lambdas(model, seed=3):
+    """Non-trivial version 1 λ vectors, so that λ differs from λ_init and from layer to layer."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "lambda_" in name:
+            param.data = torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.4
+
+
+def randomise_lambda_proj(model, seed=7):
+    """A random DIFF V2 λ projection: λ well away from 0.5 and different per token and head, so that a layout
+    mistake in λ shows in the logits."""
+    generator = torch.Generator().manual_seed(seed)
+    for layer in model.model.layers:
+        weight = layer.self_attn.differential_lambda.lambda_proj.weight
+        weight.data = torch.randn(weight.shape, generator=generator, dtype=weight.dtype)
+
+
+def differential_model(version=1, dtype=torch.float64, heads=6, kv_heads=3, layers=3, seed=0, **overrides):
+    """A tiny model of either `diff_version` whose λ is far from its initial value (see `randomise_lambdas` and
+    `randomise_lambda_proj`)."""
+    model = tiny_model(dtype, seed=seed, diff_version=version, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, num_hidden_layers=layers, **overrides)
+    if version == 1:
+        randomise_lambdas(model)
+    else:
+        randomise_lambda_proj(model, seed=seed + 7)
+    return model
+
+
+def random_batch(seed=1, batch=3, length=9, vocab=128):
+    """Token ids and an attention mask with left padding: row 1 has 4 padded positions, row 2 (if any) one."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, vocab, (batch, length), generator=generator)
+    attention_mask = torch.ones(batch, length, dtype=torch.long)
+    attention_mask[1, :4] = 0
+    if batch > 2:
+        attention_mask[2, :1] = 0
+    return input_ids, attention_mask
+
+
+def padded_labels(input_ids, attention_mask):
+    """Labels with no loss on padded positions or on the outputs of padded query rows: a fully masked row has no
+    defined output, and transformers' backends differ there (eager averages every value, SDPA does not)."""
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, 1:].masked_fill_(attention_mask[:, :-1] == 0, -100)
+    return labels
+
+
+def prefill_then_decode(model, input_ids, attention_mask, prefix=5, cache=None):
+    """Logits (batch, length, vocab) of a padded prefill of `prefix` tokens, then one token at a time with a cache
+    (a new DynamicCache unless one is given)."""
+    from transformers import DynamicCache
+
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    with torch.no_grad():
+        logits = [model(input_ids[:, :prefix], attention_mask=attention_mask[:, :prefix],
+                        position_ids=positions[:, :prefix], cache=cache, use_cache=True).logits]
+        for t in range(prefix, input_ids.shape[1]):
+            logits.append(model(input_ids[:, t : t + 1], attention_mask=attention_mask[:, : t + 1],
+                                position_ids=positions[:, t : t + 1], cache=cache, use_cache=True).logits)
+    return torch.cat(logits, dim=1)
+
+
 @pytest.fixture(scope="session")
 def tokenizer(tmp_path_factory):
     """A real byte-level BPE tokenizer trained on the sample text (the Hub's tokenizers are unreachable)."""

@@ -35,16 +35,6 @@ def test_config_constructs_like_llama_config_with_head_dim_one():
     assert config.head_dim == 1
 
 
-def test_config_file_starts_with_a_copyright_line():
-    """transformers' `test_can_init_all_missing_weights` selects models by the `# Copyright YYYY` first line."""
-    import re
-
-    from diff_llama import configuration_diff_llama
-
-    first_line = open(configuration_diff_llama.__file__, encoding="utf-8").readline()
-    assert re.match(r"# Copyright (\d{4})", first_line), first_line
-
-
 def test_valid_layouts_and_defaults():
     config = DiffLlamaConfig()
     assert config.model_type == "diff_llama"

@@ -14,10 +14,9 @@ import pytest
 import torch
 
 import diff_llama.differential_kernels as modeling  # BLOCKED_KERNEL_ROWS is read there
-from conftest import tiny_model
+from conftest import differential_model, padded_labels, prefill_then_decode, random_batch
 from diff_llama.modeling_diff_llama import ALL_DIFFERENTIAL_KERNELS, select_differential_kernel
 from reference import checkpoint_state_dict, reference_forward
-from test_reference import padded_labels, prefill_then_decode, random_batch, randomise_lambdas
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICE = "cuda"
@@ -41,16 +40,7 @@ def no_tf32():
 
 
 def float64_model(version, heads, kv_heads, layers=3):
-    model = tiny_model(torch.float64, diff_version=version, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                       head_dim=HEAD_DIM, num_hidden_layers=layers)
-    if version == 1:
-        randomise_lambdas(model)
-    else:  # λ well away from 0.5 and different per token and head
-        generator = torch.Generator().manual_seed(7)
-        for layer in model.model.layers:
-            weight = layer.self_attn.differential_lambda.lambda_proj.weight
-            weight.data = torch.randn(weight.shape, generator=generator, dtype=weight.dtype)
-    return model
+    return differential_model(version, torch.float64, heads=heads, kv_heads=kv_heads, layers=layers, head_dim=HEAD_DIM)
 
 
 def on_cuda(model, dtype, backend, kernel=None):

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import SAMPLE_TEXT, make_llama, tiny_model
+from conftest import SAMPLE_TEXT, differential_model, make_llama, tiny_model
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
@@ -36,30 +36,45 @@ def saved_model(tmp_path, tokenizer):
     return folder
 
 
-def test_lora_trains_lambda_saves_it_in_the_adapter_and_merges_exactly(tmp_path, tokenizer, saved_model):
+# A λ parameter's name in each version's checkpoint (and in memory, under `self_attn.differential_lambda`).
+LAMBDA_NAME = {1: "lambda_q1", 2: "lambda_proj.weight"}
+
+
+def lambdas_of(model, ids):
+    """Every λ the model computes on `ids`: one per layer (version 1), one per token, head and layer (DIFF V2)."""
+    with torch.no_grad():
+        outputs = model(ids, output_hidden_states=True)
+    return torch.cat([lam.flatten() for lam in model.differential_lambdas(outputs)])
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_lora_trains_lambda_saves_it_in_the_adapter_and_merges_exactly(tmp_path, tokenizer, version):
+    saved_model = tmp_path / "base"
+    differential_model(version, torch.float32, vocab_size=len(tokenizer)).save_pretrained(saved_model)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(saved_model), lora_config())
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert any("differential_lambda" in n for n in trainable) and any("lora_A" in n for n in trainable)
+    assert any("differential_lambda" in n and LAMBDA_NAME[version] in n for n in trainable)
+    assert any("lora_A" in n for n in trainable)
     assert not any(n.endswith("q_proj.base_layer.weight") for n in trainable)
-    lambdas_before = model.get_lambdas().detach().clone()
+    ids = torch.tensor([[5, 9, 2, 14, 7, 3, 11]])
+    lambdas_before = lambdas_of(model.eval(), ids)
     _train_briefly(model, tokenizer, tmp_path)
-    assert not torch.allclose(model.get_lambdas(), lambdas_before)
+    model.eval()
+    assert not torch.allclose(lambdas_of(model, ids), lambdas_before)
 
     model.save_pretrained(tmp_path / "adapter")
     adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-    assert any("differential_lambda" in k for k in adapter), "λ must be stored in the adapter"
-    model.eval()
-    ids = torch.tensor([[5, 9, 2, 14, 7, 3, 11]])
+    assert any("differential_lambda" in k and LAMBDA_NAME[version] in k for k in adapter), "λ must be in the adapter"
     expected = model(ids).logits
 
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(saved_model), tmp_path / "adapter").eval()
-    torch.testing.assert_close(reloaded.get_lambdas(), model.get_lambdas())
+    torch.testing.assert_close(lambdas_of(reloaded, ids), lambdas_of(model, ids))
     torch.testing.assert_close(reloaded(ids).logits, expected)
 
     merged = reloaded.merge_and_unload()
     torch.testing.assert_close(merged(ids).logits, expected, atol=1e-5, rtol=1e-5)
     merged.save_pretrained(tmp_path / "merged")
-    assert "model.layers.0.self_attn.lambda_q1" in load_file(tmp_path / "merged" / "model.safetensors")
+    assert f"model.layers.0.self_attn.{LAMBDA_NAME[version]}" in load_file(tmp_path / "merged" / "model.safetensors")
     final = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     torch.testing.assert_close(final(ids).logits, expected, atol=1e-5, rtol=1e-5)
 

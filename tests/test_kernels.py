@@ -23,7 +23,7 @@ from diff_llama.modeling_diff_llama import (
     select_differential_kernel,
 )
 from reference import checkpoint_state_dict, reference_forward, softmax_maps
-from test_reference import LAYOUTS, padded_labels, prefill_then_decode, random_batch, randomise_lambdas
+from conftest import LAYOUTS, padded_labels, prefill_then_decode, random_batch, randomise_lambdas
 
 
 def per_head_differential(query, key, value, lam, allowed):

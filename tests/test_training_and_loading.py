@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SAMPLE_TEXT, tiny_config, tiny_model
+from conftest import SAMPLE_TEXT, differential_model, random_batch, tiny_config, tiny_model
 from diff_llama import DiffLlamaForCausalLM
 from diff_llama.modeling_diff_llama import BlockedDifferentialAttention, CausalPairedAttentionCPU
 
@@ -67,16 +67,18 @@ def test_training_reduces_loss_and_reaches_every_weight(tokenizer, gradient_chec
     assert losses[-1] < 0.7 * losses[0]
 
 
-def test_gradient_checkpointing_gives_same_gradients():
-    model = tiny_model().train()
-    input_ids = torch.randint(3, 128, (2, 10))
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("dtype,rtol,atol", [(torch.float32, 1e-5, 1e-7), (torch.float64, 1e-10, 1e-12)])
+def test_gradient_checkpointing_gives_same_gradients(version, dtype, rtol, atol):
+    model = differential_model(version, dtype).train()
+    input_ids = random_batch()[0]
     model(input_ids, labels=input_ids).loss.backward()
     plain = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     model.activation_checkpointing_enable()
     model(input_ids, labels=input_ids).loss.backward()
     for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, plain[name], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(param.grad, plain[name], rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("tie", [True, False])
