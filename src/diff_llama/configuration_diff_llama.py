@@ -148,7 +148,16 @@ class DiffLlamaConfig(PreTrainedConfig):
             plan["layers.*.self_attn.differential_lambda.lambda_proj"] = "diff_llama_heads"
         else:
             plan["layers.*.self_attn.differential_lambda"] = "replicated_with_grad_allreduce"
-        return plan
+        # Entries transformers adds itself (older versions add the tied embedding's style in `__post_init__`).
+        return {**plan, **self.__dict__.get("base_model_tp_plan", {})}
+
+    @base_model_tp_plan.setter
+    def base_model_tp_plan(self, plan: dict[str, str] | None):
+        # Keeps what differs from the plan above, so that the version-dependent entries follow `diff_version`. Stored
+        # under the attribute's own name, which `to_dict` leaves out of config.json.
+        self.__dict__.pop("base_model_tp_plan", None)
+        own = self.base_model_tp_plan
+        self.__dict__["base_model_tp_plan"] = {key: value for key, value in (plan or {}).items() if own.get(key) != value}
 
     def head_norm_epsilon(self, layer_idx: int) -> float:
         """Epsilon of layer `layer_idx`'s per-head RMSNorm (version 1)."""
