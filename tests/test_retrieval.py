@@ -303,7 +303,7 @@ def test_evaluate_help_lists_the_options(capsys):
 
 @pytest.mark.slow
 def test_smollm2_retrieves_one_needle():
-    from diff_llama.retrieval import load_model
+    from diff_llama.resolve import load_model
 
     model, tokenizer = load_model("smollm2")
     results = [run_case(model, tokenizer, make_case(tokenizer, 1024, depth, 1, 1, seed=f"slow-{depth}"))

@@ -44,10 +44,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from diff_llama_cli.options import AdaptationOptions
+from diff_llama_cli.options import AdaptationOptions, RetrievalArguments
 
 from .precision import resolve_dtype
-from .retrieval import TRAINING_CITIES, RetrievalArguments, make_case
+from .retrieval import TRAINING_CITIES, make_case
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -436,8 +436,8 @@ def release_gguf_quantizer(model) -> None:
 def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: str | None = None) -> int:
     """`diff-llama adapt MODEL OUTPUT [options]` (declared in `diff_llama_cli`)."""
     from .output_folder import check_new_output, new_output_folder
-    from .resolve import save_tokenizer
-    from .retrieval import display_name, load_model
+    from .resolve import load_model, save_tokenizer
+    from .retrieval import display_name
 
     output = Path(output)
     check_new_output(output, fix="choose a new folder")

@@ -161,6 +161,17 @@ def load_causal_lm(name: str | os.PathLike, **kwargs):
     return _load(AutoModelForCausalLM, find_model(name), **kwargs)
 
 
+def load_model(name: str | os.PathLike, dtype: str = "float32", device: str = "cpu"):
+    """Model and tokenizer, ready for inference: `load_causal_lm` in `dtype` (a dtype option's value, 'auto'
+    included: `precision.resolve_dtype`) with sdpa attention, moved to `device`, in eval mode; and `load_tokenizer`.
+    The tokenizer loads first: a folder without one fails before the weights are read."""
+    from .precision import resolve_dtype
+
+    tokenizer = load_tokenizer(name)
+    model = load_causal_lm(name, dtype=resolve_dtype(dtype, device), attn_implementation="sdpa")
+    return model.to(device).eval(), tokenizer
+
+
 # How a tokenizer was loaded, which `save_pretrained` writes back into tokenizer_config.json (transformers 5.23) and
 # which would then apply wherever the folder goes: `local_files_only` would keep a Hub copy from ever downloading.
 _LOAD_TIME_KEYS = ("local_files_only", "is_local")

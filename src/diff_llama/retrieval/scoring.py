@@ -1,0 +1,134 @@
+"""Scoring one case: the greedy answer, exact match of the queried numbers, and the attention allocation.
+
+A case is correct when every queried number appears (as a whole digit run) in the greedy output, which stops at the
+end of the answer or once R numbers of seven or more digits are out (listing many numbers earns nothing).
+
+Attention allocation: from the answer-generating position (the prompt's last token, whose logits give the first
+answer token), the attention mass on the answer needle's tokens, on the question (everything after the context) and
+on the rest (noise: filler, the other needles, the prompt's prefix), averaged over layers and heads. The maps are the
+ones the model applies to its values (`effective_attention_maps`): differential maps for a DiffLlama, softmax maps
+for a LLaMA. Only the last query row of every layer is ever formed with eager attention: the prompt is prefilled
+with the fast backend and a cache, then its last token alone is run with `output_attentions=True`, so memory stays
+at (layers x heads x context) numbers whatever the context length.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .cases import CATEGORIES, NOISE, NeedleCase
+
+
+_COMPLETE_NUMBER = re.compile(r"\d{7,}(?=\D)")
+
+
+def score_output(text: str, numbers) -> list[bool]:
+    """Exact match: for each expected number, whether it appears as a whole run of digits in `text`."""
+    runs = set(re.findall(r"\d+", text))
+    return [str(number) in runs for number in numbers]
+
+
+def effective_attention_maps(model, outputs) -> tuple[torch.Tensor, ...]:
+    """The attention maps a model applies to its values, one (batch, heads, q, k) float tensor per layer, from the
+    outputs of a forward pass with eager attention, `output_attentions=True` and `output_hidden_states=True`.
+
+    This is the one place that knows which maps a model has:
+    - a model with a `differential_maps(outputs)` method (a DiffLlama, V1 or V2; or
+      `differential_attention_maps_from_outputs(outputs)`): the differential maps it reports;
+    - an older DiffLlama V1 (model_type "diff_llama", no such method): A1 - λ·A2 per differential head;
+    - anything else: the softmax maps as they are (rows sum to 1).
+    """
+    for method_name in ("differential_maps", "differential_attention_maps_from_outputs"):
+        method = getattr(model, method_name, None)
+        if callable(method):
+            return tuple(m.float() for m in method(outputs))
+    config = model.config
+    if getattr(config, "model_type", None) == "diff_llama":
+        if getattr(config, "diff_version", 1) != 1:
+            raise NotImplementedError(f"no differential maps for diff_version={config.diff_version}")
+        from ..modeling_diff_llama import differential_attention_maps
+
+        return tuple(differential_attention_maps(outputs.attentions, model.get_lambdas()))
+    if outputs.attentions is None or any(a is None for a in outputs.attentions):
+        raise ValueError("the model returned no attention maps (it needs eager attention)")
+    return tuple(a.float() for a in outputs.attentions)
+
+
+def map_kind(model) -> str:
+    """"softmax", or "differential (Vn)" for a DiffLlama."""
+    if getattr(model.config, "model_type", None) == "diff_llama" or callable(
+            getattr(model, "differential_attention_maps_from_outputs", None)):
+        return f"differential (V{getattr(model.config, 'diff_version', 1)})"
+    return "softmax"
+
+
+def attention_allocation(maps, categories) -> dict:
+    """Attention mass of the last query row on each token class, averaged over layers and heads.
+
+    `maps`: per-layer (batch=1, heads, q, k) maps; `categories`: the class (index into CATEGORIES) of each of the k
+    keys. Returns one number per class, "noise" (the sum over NOISE) and "total" (the mean row sum: 1 for softmax
+    maps, 1 - λ for V1 differential maps), so that answer + noise + question == total.
+    """
+    rows = torch.stack([m[0, :, -1, :].double() for m in maps])  # (layers, heads, k)
+    classes = torch.as_tensor(categories, device=rows.device)
+    if classes.numel() != rows.shape[-1]:
+        raise ValueError(f"{classes.numel()} token classes for {rows.shape[-1]} keys")
+    shares = {name: rows[..., classes == code].sum(-1).mean().item() for code, name in enumerate(CATEGORIES)}
+    shares["noise"] = sum(shares[name] for name in NOISE)
+    shares["total"] = rows.sum(-1).mean().item()
+    return shares
+
+
+def _set_attention(model, implementation: str) -> None:
+    if model.config._attn_implementation != implementation:
+        model.set_attn_implementation(implementation)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if value is None:
+            continue
+        ids.update(value if isinstance(value, (list, tuple)) else [value])
+    return ids
+
+
+@torch.no_grad()
+def run_case(model, tokenizer, case: NeedleCase, max_new_tokens: int = 48, allocation: bool = True) -> dict:
+    """Greedy answer to one case (with a cache) and, if `allocation`, the attention allocation of the position that
+    generates the first answer token."""
+    ids = torch.tensor([case.input_ids], device=model.device)
+    backend = model.config._attn_implementation
+    past = None
+    if ids.shape[1] > 1:
+        past = model(input_ids=ids[:, :-1], use_cache=True).cache
+    shares = None
+    if allocation:
+        _set_attention(model, "eager")
+        try:
+            # Hidden states too: DIFF V2's λ is a function of each layer's input at this token.
+            out = model(input_ids=ids[:, -1:], cache=past, use_cache=True, output_attentions=True,
+                        output_hidden_states=True)
+            shares = attention_allocation(effective_attention_maps(model, out), case.categories)
+        finally:
+            _set_attention(model, backend)
+    else:
+        out = model(input_ids=ids[:, -1:], cache=past, use_cache=True)
+    stop = _eos_ids(model, tokenizer)
+    generated = []
+    for step in range(max_new_tokens):
+        token = int(out.logits[0, -1].argmax())
+        if token in stop:
+            break
+        generated.append(token)
+        # The answer is the first R numbers the model states: stop once R complete 7-digit-or-longer runs are out.
+        if len(_COMPLETE_NUMBER.findall(tokenizer.decode(generated, skip_special_tokens=True))) >= case.num_queries:
+            break
+        if step + 1 < max_new_tokens:
+            out = model(input_ids=torch.tensor([[token]], device=model.device), cache=out.cache,
+                        use_cache=True)
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    found = score_output(text, case.query_numbers)
+    return {"output": text, "found": found, "correct": all(found), "allocation": shares}
