@@ -73,6 +73,22 @@ def _ask(port, folder):
     return whole, pieces
 
 
+def _ask_naming(port, model=None):
+    """The answer to one request that names `model` (None: names no model), or the server's error."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = dict(messages=MESSAGES, temperature=0, max_tokens=MAX_TOKENS, **({"model": model} if model else {}))
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.loads(response.read())["choices"][0]["message"]["content"]
+    except urllib.error.HTTPError as error:
+        return f"HTTP {error.code}: {error.read().decode()}"
+
+
 def _wait_for_server(port, process=None, seconds=120):
     import urllib.request
 
@@ -112,18 +128,22 @@ def test_serve_as_remote_code_answers_like_generate(model_dir, tokenizer):
 
     expected = _expected_answer(model_dir, tokenizer)
     port = _free_port()
-    with diff_llama_model_loading():
+    # `diff-llama serve smollm2` pins the server to FOLDER:FILE.gguf; requests may still say "smollm2" (an alias).
+    with diff_llama_model_loading(aliases={"as-typed"}):
         server = Serve(force_model=str(model_dir), host="127.0.0.1", port=port, device="cpu", trust_remote_code=True,
                        non_blocking=True)
     try:
         _wait_for_server(port)
         whole, pieces = _ask(port, model_dir)
+        by_alias, unnamed, other = (_ask_naming(port, name) for name in ("as-typed", None, "another-model"))
         served = [entry.model for entry in server._model_manager.loaded_models.values()]
     finally:
         server.kill_server()
     assert [type(model).__module__.split(".")[0] for model in served] == ["transformers_modules"]  # the folder's code
     assert type(served[0]).__name__ == "DiffLlamaForCausalLM"
     assert whole == expected and "".join(pieces) == expected
+    assert by_alias == expected and unnamed == expected
+    assert other.startswith("HTTP 400") and "pinned" in other  # any other name is still refused
 
 
 def test_transformers_serve_loader_alone_would_build_the_builtin_class(model_dir):
@@ -163,3 +183,7 @@ def test_serve_preloads_a_gguf_file_under_transformers_serves_name(tmp_path, mon
     monkeypatch.setattr("diff_llama.resolve.require_gguf", lambda: None)
     assert serving.server_model_name(str(tmp_path / "m.gguf")) == f"{tmp_path}:m.gguf"
     assert serving.server_model_name("someone/model") == "someone/model"  # a Hub id goes to the server as it is
+    # ... and requests may name it as typed or by its path
+    assert serving.served_names(str(tmp_path / "m.gguf"))[1] == {str(tmp_path / "m.gguf")}
+    name = serving.ServedModelName(f"{tmp_path}:m.gguf", {"smollm2"})
+    assert name == "smollm2" and not "smollm2" != name and name != "other" and str(name) == f"{tmp_path}:m.gguf"

@@ -8,6 +8,7 @@ same server (every endpoint of `transformers serve`, and its options that matter
 MODEL is resolved like every other command's (a folder, a `.gguf` file, `smollm2` or a Hub id; a mistyped folder fails
 at once) and preloaded, and models whose config is a DiffLlama load with this package's classes, or with
 `--trust-remote-code` with the code saved in the model folder. Any other model loads as `transformers serve` loads it.
+Requests may name the model as MODEL was typed (`smollm2`, the path given), as the server names it, or not at all.
 
 ```bash
 pip install "diff-llama[serving]"
@@ -22,12 +23,40 @@ import contextlib
 MODEL_TYPE = "diff_llama"
 
 
-def _model_manager_class():
+class ServedModelName(str):
+    """The preloaded model's name as transformers serve spells it (`FOLDER:FILE.gguf` for a GGUF file), equal also to
+    the other names of the same model in `aliases`. transformers serve refuses a request whose model is not equal to
+    its pinned name; this is what lets a request name the model the way the user typed it (`smollm2`, a path)."""
+
+    def __new__(cls, name: str, aliases=()):
+        served = super().__new__(cls, name)
+        served.aliases = frozenset(str(alias) for alias in aliases)
+        return served
+
+    def __eq__(self, other):
+        if not isinstance(other, str):
+            return NotImplemented
+        return str.__eq__(self, other) or other in self.aliases
+
+    def __ne__(self, other):
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = str.__hash__
+
+
+def _model_manager_class(aliases=()):
     from transformers.cli.serving.model_manager import ModelManager
     from transformers.cli.serving.utils import split_revision  # a local path may hold an "@"; it has no revision
 
     class DiffLlamaModelManager(ModelManager):
-        """transformers' ModelManager; DiffLlama configs load through AutoModelForCausalLM."""
+        """transformers' ModelManager; DiffLlama configs load through AutoModelForCausalLM, and the preloaded model
+        answers to its `aliases` too."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if self.force_model is not None:
+                self.force_model = ServedModelName(self.force_model, aliases)
 
         def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
             from transformers import AutoConfig, AutoModelForCausalLM
@@ -65,13 +94,14 @@ def _model_manager_class():
 
 
 @contextlib.contextmanager
-def diff_llama_model_loading():
+def diff_llama_model_loading(aliases=()):
     """Within this context, transformers' server (`transformers.cli.serve.Serve`, which imports its ModelManager when
-    it starts) loads DiffLlama models with this package's classes or the folder's code (see the module docstring)."""
+    it starts) loads DiffLlama models with this package's classes or the folder's code (see the module docstring),
+    and requests may name its preloaded model by any of `aliases`."""
     from transformers.cli.serving import model_manager
 
     original = model_manager.ModelManager
-    model_manager.ModelManager = _model_manager_class()
+    model_manager.ModelManager = _model_manager_class(aliases)
     try:
         yield
     finally:
@@ -83,12 +113,17 @@ def server_model_name(model: str) -> str:
     (`resolve.find_model`): a folder, a `.gguf` file or 'smollm2' (named `FOLDER:FILE.gguf`, transformers serve's
     spelling of a GGUF file), or a Hub id. Raises one line when it names no model: a mistyped folder is never tried
     on the Hub, where it would cost minutes of retries."""
+    return served_names(model)[0]
+
+
+def served_names(model: str) -> tuple[str, set[str]]:
+    """`server_model_name(model)` and the other names a request may give the same model: `model` as typed, and the
+    path it resolved to (`FOLDER/FILE.gguf` for a GGUF file)."""
     from .resolve import find_model
 
     location = find_model(model, tokenizer=True)
-    if location.gguf_file:
-        return f"{location.name_or_path}:{location.gguf_file}"
-    return location.name_or_path
+    name = f"{location.name_or_path}:{location.gguf_file}" if location.gguf_file else location.name_or_path
+    return name, {str(model), location.description} - {name}
 
 
 def serve(model: str, options) -> int:
@@ -101,7 +136,7 @@ def serve(model: str, options) -> int:
 
     import diff_llama  # noqa: F401  (registers the Auto classes: the package's code serves without trust_remote_code)
 
-    force_model = server_model_name(model)  # before the serving extras: the model is the likelier mistake
+    force_model, aliases = served_names(model)  # before the serving extras: the model is the likelier mistake
     if not is_serve_available():
         raise ImportError(
             "serving needs transformers' serving extras (fastapi, uvicorn, openai, pydantic): "
@@ -109,9 +144,9 @@ def serve(model: str, options) -> int:
         )
     from transformers.cli.serve import Serve
 
-    # transformers serve answers only requests that name the preloaded model exactly (or name none).
-    print(f"Serving {force_model} at http://{options.host}:{options.port}/v1 (requests name this model, or none)",
+    names = " or ".join(repr(n) for n in sorted({model, force_model}))
+    print(f"Serving {force_model} at http://{options.host}:{options.port}/v1 (requests name it {names}, or none)",
           flush=True)
-    with diff_llama_model_loading():
+    with diff_llama_model_loading(aliases):
         Serve(force_model=force_model, **asdict(options))  # runs the server until it is stopped
     return 0
