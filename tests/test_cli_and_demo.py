@@ -105,6 +105,7 @@ def test_every_commands_help_is_fast_and_says_each_default_once():
 
 @pytest.mark.parametrize("argv, expected", [
     (["train", "m", "--lr", "1e-4"], "unknown option --lr; did you mean --learning-rate?"),
+    (["recover", "m", "--lr", "1e-4"], "unknown option --lr; did you mean --learning-rate?"),  # not --lr-schedule
     (["train", "m", "--lerning-rate", "1e-4"], "unknown option --lerning-rate; did you mean --learning-rate?"),
     (["evaluate", "m", "--foo"], "unknown option --foo (diff-llama evaluate --help lists the options)"),
     (["serve", "m", "--prot", "80"], "did you mean --port?"),

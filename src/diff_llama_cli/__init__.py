@@ -244,10 +244,9 @@ def build_parser(name: str) -> argparse.ArgumentParser:
 _CONVENTIONAL = {"lr": "learning-rate", "bs": "batch-size", "steps": "max-steps", "out": "output", "epoch": "epochs"}
 
 
-def _nearest(word: str, candidates) -> str | None:
-    """The candidate `word` most likely mistypes: a close spelling, or the initials of its words (`--lr` for
-    `--learning-rate`)."""
-    candidates = list(candidates)
+def _abbreviated(word: str, candidates) -> str | None:
+    """The candidate `word` is a usual short form of: a conventional abbreviation (`--lr` for `--learning-rate`) or
+    the initials of its words."""
     stem = word.lstrip("-").replace("_", "-")
     stem = _CONVENTIONAL.get(stem, stem)
     if f"--{stem}" in candidates:
@@ -256,6 +255,16 @@ def _nearest(word: str, candidates) -> str | None:
         words = candidate.lstrip("-").split("-")
         if len(words) > 1 and stem == "".join(w[0] for w in words):
             return candidate
+    return None
+
+
+def _nearest(word: str, candidates) -> str | None:
+    """The candidate `word` most likely mistypes: a short form of it (`_abbreviated`), or a close spelling."""
+    candidates = list(candidates)
+    abbreviated = _abbreviated(word, candidates)
+    if abbreviated:
+        return abbreviated
+    stem = word.lstrip("-").replace("_", "-")
     close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
     if not close:  # a word of a longer option (`--steps` for `--max-steps`)
         close = [c for c in candidates if stem and stem in c.lstrip("-").split("-")][:1]
@@ -276,14 +285,19 @@ def _expand_options(parser: argparse.ArgumentParser, name: str, argv) -> list:
             result.append(arg)
             continue
         matches = {actions[option] for option in actions if option.startswith(word)}
+        shown = [o for o, action in actions.items()
+                 if o.startswith("--") and "_" not in o and (action.help != argparse.SUPPRESS or o.startswith("--no-"))]
+        # A prefix is not taken where the word is the usual short form of another option: `recover --lr 1e-4` would
+        # otherwise set --lr-schedule (and fail as an invalid choice) when --learning-rate was meant.
+        abbreviated = _abbreviated(word, shown)
+        if abbreviated and actions[abbreviated] not in matches:
+            matches = set()
         if len(matches) == 1:
             result.append(next(o for o in actions if o.startswith(word)) + equals + value)
             continue
         if matches:
             names = sorted({a.option_strings[-1] for a in matches})
             raise UsageError(f"{word} is ambiguous: {', '.join(names)} ({PROG} {name} --help lists the options)")
-        shown = [o for o, action in actions.items()
-                 if o.startswith("--") and "_" not in o and (action.help != argparse.SUPPRESS or o.startswith("--no-"))]
         nearest = _nearest(word, shown)
         hint = f"; did you mean {nearest}?" if nearest else ""
         raise UsageError(f"unknown option {word}{hint} ({PROG} {name} --help lists the options)")
