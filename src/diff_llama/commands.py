@@ -129,7 +129,7 @@ def demo(options: o.DemoOptions) -> int:
     from .output_folder import new_output_folder
 
     with new_output_folder(options.output, overwrite=options.overwrite) as folder:
-        demo.run_demo(folder, steps=options.steps)
+        demo.run_demo(folder, steps=options.steps, final_dir=options.output)
     return 0
 
 

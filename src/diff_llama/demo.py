@@ -30,7 +30,10 @@ def train_tokenizer(text: str, vocab_size: int = 1024) -> PreTrainedTokenizerFas
     return PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
-def run_demo(output_dir: str | Path, steps: int = 300, seq_len: int = 128, batch_size: int = 8, seed: int = 0):
+def run_demo(output_dir: str | Path, steps: int = 300, seq_len: int = 128, batch_size: int = 8, seed: int = 0,
+             final_dir: str | Path | None = None):
+    """Train, save into `output_dir`, reload, generate; print what happened. `final_dir` is where the folder ends up
+    when `output_dir` is a temporary one swapped in afterwards (`--overwrite`): the folder the user should open."""
     torch.manual_seed(seed)
     held_out_text = stdlib_docstrings(HELD_OUT_MODULES)
     train_text = stdlib_docstrings(TRAINING_MODULES, exclude=held_out_text)
@@ -75,7 +78,8 @@ def run_demo(output_dir: str | Path, steps: int = 300, seq_len: int = 128, batch
     prompt = "Return a new list"
     text = generator(prompt, max_new_tokens=40, do_sample=False)[0]["generated_text"]
 
-    print(f"\nSaved to {output_dir} (loads with AutoModelForCausalLM, or trust_remote_code=True without this package)")
+    print(f"\nSaved to {final_dir or output_dir} (loads with AutoModelForCausalLM, or trust_remote_code=True "
+          "without this package)")
     print(f"Held-out perplexity (stdlib docstrings of {', '.join(HELD_OUT_MODULES)}):")
     print(f"  fresh model    {ppl_before:10.1f}")
     print(f"  after {steps} steps {ppl_after:10.1f}   ({train_seconds:.0f} s of CPU training)")
