@@ -10,13 +10,18 @@ from conftest import LAYOUTS, V2_LAYOUTS, differential_model, prefill_then_decod
 from diff_llama import differential_attention_maps
 from reference import checkpoint_state_dict, reference_forward
 
+
+# Also run on the oldest supported transformers (scripts/run_oldest_transformers_tests.sh).
+pytestmark = pytest.mark.oldest_transformers
+
+
 VERSION_LAYOUTS = [(1, h, g) for h, g in LAYOUTS] + [(2, h, g) for h, g in V2_LAYOUTS]
 
 
 @pytest.mark.parametrize("version,heads,kv_heads", VERSION_LAYOUTS)
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_float64_logits_match_reference(version, heads, kv_heads, attn):
-    model = differential_model(version, heads=heads, kv_heads=kv_heads, layers=4)
+    model = differential_model(version, heads=heads, kv_heads=kv_heads, layers=4 if version == 1 else 3)
     model.set_attn_implementation(attn)
     input_ids, attention_mask = random_batch()
     with torch.no_grad():
@@ -82,16 +87,19 @@ def test_attention_maps_differential_maps_and_lambdas_match_reference(version, h
         assert maps[layer].shape == (3, heads // 2, 9, 9)
         for b in range(3):
             real = attention_mask[b].bool()
-            for i, (first, second, a1, a2, lam) in enumerate(reference_pairs(version, heads, reference_maps[b][layer])):
-                torch.testing.assert_close(out.attentions[layer][b, first][real], a1[real], rtol=0, atol=1e-12)
-                torch.testing.assert_close(out.attentions[layer][b, second][real], a2[real], rtol=0, atol=1e-12)
-                if version == 1:
-                    assert lambdas[layer].item() == pytest.approx(lam, abs=1e-12)
-                    expected = a1 - lam * a2
-                else:
-                    torch.testing.assert_close(lambdas[layer][b, real, i], lam[real], rtol=0, atol=1e-12)
-                    expected = a1 - lam[:, None] * a2
-                torch.testing.assert_close(maps[layer][b, i][real], expected[real], rtol=0, atol=1e-12)
+            first, second, a1, a2, lam = zip(*reference_pairs(version, heads, reference_maps[b][layer]))
+            a1, a2 = torch.stack(a1), torch.stack(a2)  # (H/2, q, k)
+            attentions = out.attentions[layer][b]
+            torch.testing.assert_close(attentions[list(first)][:, real], a1[:, real], rtol=0, atol=1e-12)
+            torch.testing.assert_close(attentions[list(second)][:, real], a2[:, real], rtol=0, atol=1e-12)
+            if version == 1:
+                assert lambdas[layer].item() == pytest.approx(lam[0], abs=1e-12)
+                lam = torch.tensor(lam[0], dtype=torch.float64)
+            else:
+                lam = torch.stack(lam)  # (H/2, q)
+                torch.testing.assert_close(lambdas[layer][b, real], lam[:, real].T, rtol=0, atol=1e-12)
+                lam = lam[:, :, None]
+            torch.testing.assert_close(maps[layer][b][:, real], (a1 - lam * a2)[:, real], rtol=0, atol=1e-12)
 
 
 def test_differential_maps_need_eager_attention():
@@ -112,11 +120,12 @@ def test_lambda_follows_equation_and_layer_depth():
         assert attn.differential_lambda().item() == pytest.approx(expected, abs=1e-12)
 
 
-DECODE_CASES = [(1, h, g) for h, g in LAYOUTS] + [(2, 6, 3), (2, 8, 1), (2, 18, 3)]
+# Version 1 on both backends (SDPA decodes with its own one-token kernel); DIFF V2 has no kernel of its own.
+DECODE_CASES = ([(1, h, g, attn) for h, g in LAYOUTS for attn in ("sdpa", "eager")]
+                + [(2, h, g, "sdpa") for h, g in [(6, 3), (8, 1), (18, 3)]])
 
 
-@pytest.mark.parametrize("version,heads,kv_heads", DECODE_CASES)
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("version,heads,kv_heads,attn", DECODE_CASES)
 def test_decoding_steps_match_reference_with_left_padding(version, heads, kv_heads, attn):
     """Token-by-token decoding with a cache (SDPA runs its own one-token kernel, eager the generic path) gives the
     reference's logits and the uncached forward's, and the cache is exactly a LLaMA's: G heads of width d."""
