@@ -26,6 +26,11 @@ import diff_llama
 from conftest import tiny_config, tiny_model
 from diff_llama.configuration_diff_llama import REMOTE_CODE_FILES
 
+
+# Also run on the oldest supported transformers (scripts/run_oldest_transformers_tests.sh).
+pytestmark = pytest.mark.oldest_transformers
+
+
 HEADS = {
     AutoModel: diff_llama.DiffLlamaModel,
     AutoModelForCausalLM: diff_llama.DiffLlamaForCausalLM,

@@ -12,6 +12,10 @@ from conftest import differential_model, random_batch, tiny_config
 from diff_llama import DiffLlamaConfig, DiffLlamaForCausalLM
 
 
+# Also run on the oldest supported transformers (scripts/run_oldest_transformers_tests.sh).
+pytestmark = pytest.mark.oldest_transformers
+
+
 def test_layout_rules_are_checked_when_a_model_is_built():
     config = tiny_config(diff_version=2, num_attention_heads=6, num_key_value_heads=2)  # G must divide H/2 = 3
     with pytest.raises(ValueError, match="`num_key_value_heads`.*divide"):

@@ -47,6 +47,7 @@ def lambdas_of(model, ids):
     return torch.cat([lam.flatten() for lam in model.differential_lambdas(outputs)])
 
 
+@pytest.mark.oldest_transformers  # a Trainer step and a LoRA step on the oldest supported transformers too
 @pytest.mark.parametrize("version", [1, 2])
 def test_lora_trains_lambda_saves_it_in_the_adapter_and_merges_exactly(tmp_path, tokenizer, version):
     saved_model = tmp_path / "base"

@@ -53,6 +53,7 @@ def test_converted_smollm2_loads_as_remote_code(converted, tmp_path):
     assert result.stdout.strip().startswith("transformers_modules")
 
 
+@pytest.mark.oldest_transformers  # the real conversion on the oldest supported transformers too
 def test_diff_v2_conversion_is_exact_on_smollm2(tmp_path):
     """DIFF V2's conversion: the converted SmolLM2's logits equal the source's to float32 rounding on held-out text."""
     import torch
