@@ -57,11 +57,9 @@ def _batches(tokenizer, length=32):
     return usable.view(-1, length)
 
 
-@pytest.mark.parametrize("gradient_checkpointing", [False, True])
-def test_training_reduces_loss_and_reaches_every_weight(tokenizer, gradient_checkpointing):
+def test_training_reduces_loss_and_reaches_every_weight(tokenizer):
+    """(With activation checkpointing the gradients are these, to rounding: the test below.)"""
     model = tiny_model(vocab_size=len(tokenizer), num_attention_heads=6, num_key_value_heads=3).train()
-    if gradient_checkpointing:
-        _enable_activation_checkpointing(model)
     data = _batches(tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
@@ -78,8 +76,11 @@ def test_training_reduces_loss_and_reaches_every_weight(tokenizer, gradient_chec
 
 
 @pytest.mark.parametrize("version", [1, 2])
-def test_gradient_checkpointing_gives_same_gradients(version):
-    model = differential_model(version, torch.float64).train()
+@pytest.mark.parametrize("dtype,rtol,atol", [(torch.float32, 1e-5, 1e-7), (torch.float64, 1e-10, 1e-12)])
+def test_gradient_checkpointing_gives_same_gradients(version, dtype, rtol, atol):
+    """Checkpointed gradients equal the plain ones, and reach every weight: so a checkpointed run trains as the plain
+    run of the test above does."""
+    model = differential_model(version, dtype).train()
     input_ids = random_batch()[0]
     model(input_ids, labels=input_ids).loss.backward()
     plain = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -87,7 +88,8 @@ def test_gradient_checkpointing_gives_same_gradients(version):
     _enable_activation_checkpointing(model)
     model(input_ids, labels=input_ids).loss.backward()
     for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, plain[name], rtol=1e-10, atol=1e-12)
+        assert param.grad is not None and param.grad.abs().sum() > 0, f"no gradient reaches {name}"
+        torch.testing.assert_close(param.grad, plain[name], rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("tie", [True, False])
