@@ -9,8 +9,8 @@ the probes during training): 1K and 2K tokens in every setting, then 4K tokens i
 the trained models on fresh hard cases (4x2 and 6x2 at 2K and 4K, 160 cases) with a paired test. Writes one report and
 the curves:
 
-    python bench/adaptation.py                       # convert (if needed), train, evaluate, write the results
-    python bench/adaptation.py --skip-training       # evaluate and report models already trained into --work
+    python -m bench adaptation                       # convert (if needed), train, evaluate, write the results
+    python -m bench adaptation --skip-training       # evaluate and report models already trained into --work
 
 Jobs run two at a time, one thread each (a 2-core machine), and each model's evaluations start as soon as its own
 training has finished. Each V2 run of about 270 steps at 2K tokens peaks near 9 GB of memory: three training processes
@@ -27,6 +27,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import suite
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -207,8 +209,21 @@ def main() -> None:
                for prefix, evaluations in stages.items()}
     histories = [json.loads((work / folder / "adapt.json").read_text()) for _, folder, _, _ in runs]
     output = Path(args.output)
-    names = {"eval": "evaluation", "eval4k": "evaluation_long", "evalhard": "evaluation_hard"}
-    output.parent.mkdir(parents=True, exist_ok=True)
+    result = {**{SECTIONS[prefix]: report for prefix, report in reports.items()}, "training": histories,
+              "long_length": args.long_length, "hard_seed": args.hard_seed, "hard_lengths": hard_lengths}
+    path = suite.write_result("adaptation", output, result, render)
+    plot_curves(histories, output.with_name(output.name + "-curves.png"))
+    plot_report(next(iter(reports.values())), path.with_suffix(".png"))
+
+
+# stage -> its entry in the results JSON
+SECTIONS = {"eval": "evaluation", "eval4k": "evaluation_long", "evalhard": "evaluation_hard"}
+
+
+def render(result: dict) -> str:
+    from diff_llama.retrieval import markdown_report
+
+    histories = result["training"]
     curves = ["", "Training (`diff-llama adapt`, the same examples, steps and learning rates for both; CPU-minutes of "
               "the training steps, one thread each). Held-out probe at each point: accuracy on "
               f"{', '.join(histories[0]['options']['eval_settings'])} at "
@@ -225,22 +240,15 @@ def main() -> None:
                           f"{'–' if divergence is None else f'{divergence:.2%}'} |")
     curves += ["", "Pair divergence: ‖second − first‖ / ‖first‖ over the query heads of each DIFF V2 pair, mean over "
                "layers (0 right after the lossless conversion: the model is then its source)."]
+    reports = {prefix: result[key] for prefix, key in SECTIONS.items() if key in result}
     # Paired tests of every trained V2 against the trained source (models: untrained source, trained source, V2s).
-    trained = [(1, j) for j in range(2, len(models))]
+    trained = [(1, j) for j in range(2, 1 + len(histories))]
     sections = {"eval": ("", lambda r: markdown_report(r, trained)),
-                "eval4k": (f"\n## At {args.long_length} tokens\n\n", lambda r: markdown_report(r, trained)),
-                "evalhard": (f"\n## Hard settings, fresh cases (seed {args.hard_seed}), {' and '.join(hard_lengths)} "
-                             "tokens\n\n",
-                             markdown_report)}
+                "eval4k": (f"\n## At {result['long_length']} tokens\n\n", lambda r: markdown_report(r, trained)),
+                "evalhard": (f"\n## Hard settings, fresh cases (seed {result['hard_seed']}), "
+                             f"{' and '.join(result['hard_lengths'])} tokens\n\n", markdown_report)}
     markdown = "".join(sections[prefix][0] + sections[prefix][1](report) for prefix, report in reports.items())
-    markdown += "\n".join(curves) + "\n"
-    output.with_suffix(".md").write_text(markdown)
-    output.with_suffix(".json").write_text(json.dumps(
-        {**{names[prefix]: report for prefix, report in reports.items()}, "training": histories},
-        indent=1))
-    plot_curves(histories, output.with_name(output.name + "-curves.png"))
-    plot_report(next(iter(reports.values())), output.with_suffix(".png"))
-    print(markdown)
+    return markdown + "\n".join(curves)
 
 
 if __name__ == "__main__":

@@ -5,24 +5,23 @@ against one Llama SDPA call, in one run, interleaved.
   then times V2, as flash-style kernels must);
 - the blocked kernel (`BlockedDifferentialAttention`): A1 − λ·A2 formed per block of query rows before it meets the
   2d-wide value, at several block sizes;
-- with --inductor, the same blocks compiled by torch.compile (inductor), which fuses the mask, the softmax and the
-  subtraction into one generated C++ loop: the best fused kernel torch itself can make, the probe behind the
-  README's claim that only a hand-written fused kernel could remove those passes.
+- with --flex, FlexAttention (compiled) with d-wide and 2d-wide values.
 
-Usage: python bench/attention_core.py [--tokens 512,2048,8192] [--dtype float32] [--threads 2] [--flex] [--inductor]
-Writes bench/results/attention_core[-DTYPE].md with --write.
+(The --inductor probe, the blocks compiled by torch.compile, answered its question and was retired; its result stays
+in bench/results/attention_core-inductor-epyc.md.)
+
+Usage: python -m bench attention_core [--tokens 512,2048,8192] [--dtype float32] [--threads 2] [--flex] [--write]
+Writes bench/results/attention_core[-DTYPE].{json,md} with --write.
 """
 
 import argparse
 import statistics
-import sys
 import time
-
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+import suite
 from diff_llama.modeling_diff_llama import BlockedDifferentialAttention
 
 
@@ -37,31 +36,6 @@ def interleaved_median_ms(variants: dict, rounds: int = 9) -> dict:
             fn()
             samples[name].append(time.perf_counter() - started)
     return {name: 1000 * statistics.median(values) for name, values in samples.items()}
-
-
-def _differential_block(query_rows, key, value_pairs, lambda_full):
-    """One block of the blocked kernel's forward, written for the compiler: scaled query rows (batch, G, r, d) against
-    the keys up to the block's last row (batch, G, c, d), causal mask, softmax, A1 − λ·A2, times the value pairs."""
-    scores = torch.matmul(query_rows, key.transpose(2, 3))
-    rows, columns = scores.shape[-2:]
-    row = torch.arange(rows, device=scores.device)[:, None] + (columns - rows)
-    scores = scores.masked_fill(torch.arange(columns, device=scores.device)[None, :] > row, float("-inf"))
-    maps = torch.softmax(scores, dim=-1)
-    half = maps.shape[1] // 2
-    return torch.matmul(maps[:, :half] - lambda_full * maps[:, half:], value_pairs)
-
-
-def blocked_by(block_function, query, key, value, lambda_full, scaling, block_rows):
-    """The blocked kernel's forward loop (no mask but causal), each block computed by `block_function`."""
-    half = query.shape[1] // 2
-    rows = query * scaling
-    pairs = torch.cat((value[:, :half], value[:, half:]), dim=-1)
-    output = query.new_empty(query.shape[0], half, query.shape[2], pairs.shape[-1])
-    for start in range(0, query.shape[2], block_rows):
-        stop = min(start + block_rows, query.shape[2])
-        output[:, :, start:stop] = block_function(rows[:, :, start:stop], key[:, :, :stop], pairs[:, :, :stop],
-                                                  lambda_full)
-    return output
 
 
 def core_times(tokens, args, dtype):
@@ -83,11 +57,6 @@ def core_times(tokens, args, dtype):
     for rows in args.block_rows:
         variants[f"blocked, {rows} rows"] = (
             lambda rows=rows: BlockedDifferentialAttention.apply(q, k, v, lam, None, scale, rows, 0, True))
-    if args.inductor:
-        compiled = torch.compile(_differential_block, dynamic=True)
-        for rows in args.block_rows:
-            variants[f"blocked, {rows} rows, inductor-compiled"] = (
-                lambda rows=rows: blocked_by(compiled, q, k, v, lam, scale, rows))
     if args.flex:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -96,22 +65,20 @@ def core_times(tokens, args, dtype):
         variants["FlexAttention (compiled): d-wide values"] = lambda: flex(q, k, v, block_mask=mask)
         variants["FlexAttention (compiled): 2d-wide values"] = lambda: flex(q, k, pairs, block_mask=mask)
     with torch.no_grad():
-        if args.inductor:  # the compiled blocks must compute what the kernel computes
-            expected = BlockedDifferentialAttention.apply(q, k, v, lam, None, scale, 128, 0, True)
-            for name, fn in variants.items():
-                if "inductor" in name:
-                    got = fn().transpose(1, 2).reshape(expected.shape)
-                    difference = (got.float() - expected.float()).abs().max().item()
-                    print(f"{tokens} tokens, {name}: max |difference| from the blocked kernel {difference:.1e}")
-                    assert difference < (1e-4 if dtype == torch.float32 else 5e-2), difference
         return interleaved_median_ms(variants, rounds=args.rounds if tokens < 8192 else max(3, args.rounds // 2))
 
 
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "an unnamed CPU"
+def render(result: dict) -> str:
+    c = result["config"]
+    lines = [f"{c['heads']} heads of {c['head_dim']}, {c['dtype']}, causal, {c['threads']} threads, medians of "
+             f"{c['rounds']} interleaved rounds (3-4 at 8192 tokens); x Llama = time / Llama's core in the same run.",
+             ""]
+    for tokens, times in result["tokens"].items():
+        baseline = times["Llama: one d-wide call"]
+        lines += [f"**{tokens} tokens**", "", "| attention core | ms | x Llama |", "|---|---|---|"]
+        lines += [f"| {name} | {ms:.1f} | {ms / baseline:.2f} |" for name, ms in times.items()]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def main():
@@ -124,28 +91,22 @@ def main():
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--block-rows", default="32,64,128")
     parser.add_argument("--flex", action="store_true", help="add FlexAttention (its compilation takes a minute)")
-    parser.add_argument("--inductor", action="store_true",
-                        help="add the blocked kernel's blocks compiled by torch.compile (compilation takes a minute)")
-    parser.add_argument("--write", action="store_true", help="write bench/results/attention_core[-DTYPE].md")
-    parser.add_argument("--output", help="with --write: this name under bench/results instead (without .md)")
+    parser.add_argument("--write", action="store_true", help="write bench/results/attention_core[-DTYPE].{json,md}")
+    parser.add_argument("--output", help="with --write: this name under bench/results instead (without a suffix)")
     args = parser.parse_args()
     args.block_rows = [int(rows) for rows in args.block_rows.split(",")]
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    lines = [f"`python bench/attention_core.py {' '.join(sys.argv[1:])}` on {_cpu_name()}.", "",
-             f"{args.heads} heads of {args.head_dim}, {args.dtype}, causal, {args.threads} threads, medians of "
-             f"{args.rounds} interleaved rounds (3-4 at 8192 tokens); x Llama = time / Llama's core in the same run.", ""]
+    result = {"config": {"heads": args.heads, "head_dim": args.head_dim, "dtype": args.dtype, "threads": args.threads,
+                         "rounds": args.rounds, "block_rows": args.block_rows}, "tokens": {}}
     for tokens in (int(t) for t in args.tokens.split(",")):
-        times = core_times(tokens, args, dtype)
-        baseline = times["Llama: one d-wide call"]
-        lines += [f"**{tokens} tokens**", "", "| attention core | ms | x Llama |", "|---|---|---|"]
-        lines += [f"| {name} | {ms:.1f} | {ms / baseline:.2f} |" for name, ms in times.items()]
-        lines.append("")
-        print("\n".join(lines[-len(times) - 4:]), flush=True)
+        result["tokens"][str(tokens)] = times = core_times(tokens, args, dtype)
+        print(f"{tokens} tokens: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in times.items()), flush=True)
     if args.write:
         suffix = "" if args.dtype == "float32" else f"-{args.dtype}"
-        path = Path(__file__).parent / "results" / f"{args.output or 'attention_core' + suffix}.md"
-        path.write_text("\n".join(lines))
+        suite.write_result("attention_core", args.output or "attention_core" + suffix, result, render)
+    else:
+        print(render(result))
 
 
 if __name__ == "__main__":

@@ -4,21 +4,21 @@ Converts the model once per option set and reports held-out perplexity (source v
 per-token KL(source || converted), all measured by the converter on the same 2,048 held-out tokens
 (Python standard-library docstrings of modules the calibration text does not use).
 
-Usage: python bench/conversion_quality.py    (about 10 minutes on 2 cores)
-Writes bench/results/conversion_quality.md and .json.
+Usage: python -m bench conversion_quality [--variants N]    (all 8: about 10 minutes on 2 cores)
+Writes bench/results/conversion_quality.{json,md}.
 """
 
-import json
+import argparse
 import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+import suite
 from diff_llama.conversion.converter import ConversionOptions, convert_llama_to_diff_llama
 from diff_llama.smollm2 import smollm2_gguf_path
 
-RESULTS = Path(__file__).parent / "results"
 VARIANTS = [
     ("expand, lstsq, headroom 0.01 (version 1 default)", dict()),
     ("expand, lstsq, headroom 0.1 (the default until issue 9)", dict(head_norm_headroom=0.1)),
@@ -32,6 +32,12 @@ VARIANTS = [
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", type=int, default=len(VARIANTS),
+                        help="only the first N option sets (default: all %(default)s)")
+    parser.add_argument("--output", default="conversion_quality",
+                        help="results name under bench/results, or a path (no suffix)")
+    args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="diff-llama-quality-"))
     gguf = smollm2_gguf_path()
     # Dequantize once into a Transformers folder, so that every variant reads the same float32 weights quickly.
@@ -42,7 +48,7 @@ def main():
     model.save_pretrained(work / "source")
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(work / "source")
     rows = []
-    for name, overrides in VARIANTS:
+    for name, overrides in VARIANTS[: args.variants]:
         options = ConversionOptions(diff_version=1, **overrides)  # every variant here is a version 1 conversion
         if options.calibration == "none":
             options.head_norm_headroom = 0.0
@@ -54,15 +60,17 @@ def main():
                      "ratio": q["converted_perplexity"] / q["source_perplexity"],
                      "kl": q["kl_source_to_converted"], "seconds": report.seconds})
         print(rows[-1], flush=True)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "conversion_quality.json").write_text(json.dumps(rows, indent=2) + "\n")
+    suite.write_result("conversion_quality", args.output, {"rows": rows}, render)
+
+
+def render(result: dict) -> str:
+    rows = result["rows"]
     lines = [f"SmolLM2-135M-Instruct (source perplexity {rows[0]['source_perplexity']:.2f} on 2,048 held-out tokens), "
              "before any training.", "",
              "| conversion | softmax maps | perplexity | x source | KL nats/token | seconds |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['variant']} | {r['heads']} | {r['converted_perplexity']:.2f} | {r['ratio']:.3f} | {r['kl']:.4f} "
               f"| {r['seconds']:.0f} |" for r in rows]
-    (RESULTS / "conversion_quality.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

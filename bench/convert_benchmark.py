@@ -7,8 +7,8 @@ Measures, in one run on the same files:
   calibrates), each in a fresh process whose peak RSS is recorded; the time
   is taken around the conversion call and, separately, for the whole process including interpreter start-up.
 
-Usage: python bench/convert_benchmark.py [--workdir DIR] [--layers 21]
-Writes bench/results/convert.md and bench/results/convert.json.
+Usage: python -m bench convert_benchmark [--workdir DIR] [--layers 21]
+Writes bench/results/convert.{json,md}.
 """
 
 import argparse
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-RESULTS = Path(__file__).parent / "results"
+import suite
 
 
 def make_checkpoint(folder: Path, layers: int, hidden=2048, intermediate=5632, vocab=32000, heads=16,
@@ -81,6 +81,7 @@ def main():
     parser.add_argument("--workdir", help="scratch folder (default: a temporary one, removed afterwards)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians are reported)")
     parser.add_argument("--layers", type=int, default=21, help="decoder layers of the synthetic LLaMA (21: 2.2 GB)")
+    parser.add_argument("--output", default="convert", help="results name under bench/results, or a path (no suffix)")
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="diff-llama-bench-"))
     source = workdir / "llama"
@@ -125,12 +126,18 @@ def main():
     _, _, import_peak = timed_child([sys.executable, "-c", "import torch, transformers, diff_llama"])
     result = {"checkpoint_gb": total / 1e9, "layer_mb": layer_bytes / 1e6, "copy_seconds": copy_seconds,
               "import_peak_rss_gb": import_peak / 1e9, "conversions": rows, "threads": torch.get_num_threads()}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "convert.json").write_text(json.dumps(result, indent=2) + "\n")
+    result["repeats"] = args.repeats
+    suite.write_result("convert_benchmark", args.output, result, render)
+    if not args.workdir:
+        shutil.rmtree(workdir)
+
+
+def render(result: dict) -> str:
+    rows = result["conversions"]
     lines = [
-        f"Synthetic LLaMA {total / 1e9:.2f} GB (bf16, 500 MB shards, one layer {layer_bytes / 1e6:.0f} MB); "
-        f"copying the folder: {copy_seconds:.1f} s. Calibration and evaluation off; medians of {args.repeats} "
-        "interleaved runs.",
+        f"Synthetic LLaMA {result['checkpoint_gb']:.2f} GB (bf16, 500 MB shards, one layer {result['layer_mb']:.0f} MB); "
+        f"copying the folder: {result['copy_seconds']:.1f} s. Calibration and evaluation off; medians of "
+        f"{result['repeats']} interleaved runs.",
         "",
         "| conversion | conversion s | x copy | whole process s (with start-up) | x copy | written GB | peak RSS GB "
         "| peak − one layer GB |",
@@ -140,11 +147,8 @@ def main():
               f"{r['command_ratio_to_copy']:.2f} | {r['written_gb']:.2f} | {r['peak_rss_gb']:.2f} | "
               f"{r['peak_minus_layer_gb']:.2f} |" for r in rows]
     lines.append(f"\nPeak RSS of a process that only imports torch, transformers and diff_llama: "
-                 f"{import_peak / 1e9:.2f} GB.")
-    (RESULTS / "convert.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    if not args.workdir:
-        shutil.rmtree(workdir)
+                 f"{result['import_peak_rss_gb']:.2f} GB.")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ The table also gives each model's spread over the rounds (largest / smallest sam
 step of a small model is mostly kernel launches from Python, and it varies by tens of percent from call to call; a
 ratio inside that spread is not a difference.
 
-Usage: python bench/cuda_benchmark.py [--rounds 5] [--shapes smollm2-135m llama-3.2-1b] [--output DIR] [--name cuda]
+Usage: python -m bench cuda_benchmark [--rounds 5] [--shapes smollm2-135m llama-3.2-1b] [--output DIR] [--name cuda]
                                       [--figures train prefill decode] [--models MODEL ...]
 Writes NAME.json and NAME.md into DIR (default bench/results/cuda.{json,md}). On an H200, each round (and the warm-up
 round before them) takes about 95 s for the SmolLM2 shape and 90 s for the 1B one, decoding most of it. `--figures
@@ -26,7 +26,6 @@ kernels against each other, so many more rounds fit in the same time.
 """
 
 import argparse
-import json
 import platform
 import shlex
 import statistics
@@ -37,6 +36,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import suite
 from diff_llama import DiffLlamaForCausalLM
 from diff_llama.conversion.converter import ConversionOptions, diff_config_for, make_layout
 
@@ -143,9 +143,12 @@ def spread(rows, figure) -> float:
     return max(values) / min(values)
 
 
-def write(results: dict, folder: Path, name: str = "cuda") -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{name}.json").write_text(json.dumps(results, indent=1))
+def write(results: dict, folder: Path, name: str = "cuda") -> Path:
+    """FOLDER/NAME.json with the run's metadata, and its markdown rendered from it (bench/suite.py)."""
+    return suite.write_result("cuda_benchmark", Path(folder) / name, results, render)
+
+
+def render(results: dict) -> str:
     lines = [f"# CUDA speed and memory ({results['device']}, torch {results['torch']}, bf16, SDPA, "
              f"{results['rounds']} round(s))", "",
              "Time or memory relative to the baseline (below 1: faster or smaller); decode ratios are inverted "
@@ -174,8 +177,7 @@ def write(results: dict, folder: Path, name: str = "cuda") -> None:
             lines.append(f"| {figure} | " + " | ".join(f"{spread(samples[name], figure):.2f}" for name in models)
                          + " |")
         lines.append("")
-    (folder / f"{name}.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    return "\n".join(lines)
 
 
 def main():
@@ -198,7 +200,8 @@ def main():
         parser.error("no CUDA device: this benchmark measures the GPU paths (see bench/model_benchmark.py for CPUs)")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
                "rounds": args.rounds, "figures": args.figures, "prompt_tokens": args.prompt_tokens,
-               "command": shlex.join(["python", "bench/cuda_benchmark.py", *sys.argv[1:]]), "shapes": {}}
+               "command": suite.COMMAND or shlex.join(["python", "bench/cuda_benchmark.py", *sys.argv[1:]]),
+               "shapes": {}}
     for shape_name in args.shapes:
         names = [name for name in MODELS if name == "llama" or name in args.models]
         results["shapes"][shape_name] = run_shape(shape_name, args.rounds, args.figures, names, args.prompt_tokens)

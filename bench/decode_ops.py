@@ -11,8 +11,8 @@ whole fused SDPA call on the same cache: the score product (bmm, the kernel's ch
 multiply-and-sum), the softmax, and the value product (bmm on the maps stacked for both value halves, the kernel's
 choice; a broadcasting 4-D matmul that stacks them implicitly; two bmm, one per value half).
 
-Usage: python bench/decode_ops.py [--batch 1] [--dtype float32] [--timing] [--products] [--write]
-Writes bench/results/decode_ops.md with --write.
+Usage: python -m bench decode_ops [--batch 1] [--dtype float32] [--timing] [--products] [--write]
+Writes bench/results/decode_ops.{json,md} with --write.
 """
 
 import argparse
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
+import suite  # noqa: E402
 from model_benchmark import SHAPE, build  # noqa: E402
 
 
@@ -43,7 +44,7 @@ def _microseconds(fn, number=200, repeat=9):
     return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
 
 
-def attention_timing(batch, dtype) -> list[str]:
+def attention_timing(batch, dtype) -> dict:
     """Microseconds of layer 0's attention in a decoding step, and of diff-llama's own parts called alone."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -82,11 +83,10 @@ def attention_timing(batch, dtype) -> list[str]:
                 lambda: kernel(attention, query, key, value, None, lambda_full))
             rows["diff-llama: head norm and (1 − λ_init)"] = _microseconds(lambda: torch.add(
                 normed := attention.head_norm(output), normed, alpha=-attention.differential_lambda.lambda_init))
-    return ["", f"One layer's attention in a decoding step, batch {batch}, µs (`--timing`; parts called alone):", "",
-            "| what | µs |", "|---|---|"] + [f"| {name} | {value:.1f} |" for name, value in rows.items()]
+    return rows
 
 
-def product_timing(batch, dtype) -> list[str]:
+def product_timing(batch, dtype) -> dict:
     """µs of the one-token kernel's parts in each formulation, and of Llama's fused SDPA call, 192 cached tokens."""
     from diff_llama.modeling_diff_llama import differential_decode_attention
 
@@ -132,9 +132,7 @@ def product_timing(batch, dtype) -> list[str]:
              for half in range(2)]
     assert all(torch.allclose(a.float(), b.float(), atol=1e-4, rtol=1e-3) for a, b in same)
     timings = {name: _microseconds(fn, number=500) for name, fn in candidates.items()}
-    return ["", f"The one-token kernel's parts in each formulation, batch {batch}, {length} cached tokens, {heads} "
-            f"query heads over {kv_heads} key/value heads, µs (`--products`; each called alone, best of 9 x 500):", "",
-            "| what | µs |", "|---|---|"] + [f"| {name} | {value:.1f} |" for name, value in timings.items()]
+    return {"cached_tokens": length, "heads": heads, "kv_heads": kv_heads, "microseconds": timings}
 
 
 def main():
@@ -145,31 +143,48 @@ def main():
     parser.add_argument("--products", action="store_true",
                         help="time the one-token kernel's parts in every formulation against Llama's SDPA call")
     parser.add_argument("--write", action="store_true")
+    parser.add_argument("--output", default="decode_ops", help="with --write: results name or path (no suffix)")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    counts = {name: step_ops(build(name, getattr(torch, args.dtype)), args.batch)
+    dtype = getattr(torch, args.dtype)
+    counts = {name: dict(step_ops(build(name, dtype), args.batch))
               for name in ("llama", "diff-llama", "diff-llama v2", "built-in")}
-    layers = SHAPE["num_hidden_layers"]
-    lines = [f"aten events in one decoding step, batch {args.batch}, {args.dtype}, {layers} layers "
-             f"(`python bench/decode_ops.py`):", "", "| model | aten ops per step | per layer more than Llama |",
-             "|---|---|---|"]
+    result = {"batch": args.batch, "dtype": args.dtype, "layers": SHAPE["num_hidden_layers"], "aten_ops": counts}
+    if args.timing:
+        result["attention_microseconds"] = attention_timing(args.batch, dtype)
+    if args.products:
+        result["products"] = product_timing(args.batch, dtype)
+    if args.write:
+        suite.write_result("decode_ops", args.output, result, render)
+    else:
+        print(render(result))
+
+
+def render(result: dict) -> str:
+    counts, layers, batch = result["aten_ops"], result["layers"], result["batch"]
+    lines = [f"aten events in one decoding step, batch {batch}, {result['dtype']}, {layers} layers:", "",
+             "| model | aten ops per step | per layer more than Llama |", "|---|---|---|"]
     total_llama = sum(counts["llama"].values())
     for name, counter in counts.items():
         total = sum(counter.values())
         lines.append(f"| {name} | {total} | {(total - total_llama) / layers:+.1f} |")
     for model in ("diff-llama", "diff-llama v2"):
-        difference = counts[model].copy()
+        difference = collections.Counter(counts[model])
         difference.subtract(counts["llama"])
         lines += ["", f"{model} minus Llama, by op (whole step): " + ", ".join(
             f"{name.removeprefix('aten::')} {count:+d}" for name, count in
             sorted(difference.items(), key=lambda item: -abs(item[1])) if count)]
-    if args.timing:
-        lines += attention_timing(args.batch, getattr(torch, args.dtype))
-    if args.products:
-        lines += product_timing(args.batch, getattr(torch, args.dtype))
-    print("\n".join(lines))
-    if args.write:
-        (Path(__file__).parent / "results" / "decode_ops.md").write_text("\n".join(lines) + "\n")
+    if "attention_microseconds" in result:
+        lines += ["", f"One layer's attention in a decoding step, batch {batch}, µs (`--timing`; parts called alone):",
+                  "", "| what | µs |", "|---|---|"]
+        lines += [f"| {name} | {value:.1f} |" for name, value in result["attention_microseconds"].items()]
+    if "products" in result:
+        p = result["products"]
+        lines += ["", f"The one-token kernel's parts in each formulation, batch {batch}, {p['cached_tokens']} cached "
+                  f"tokens, {p['heads']} query heads over {p['kv_heads']} key/value heads, µs (`--products`; each "
+                  "called alone, best of 9 x 500):", "", "| what | µs |", "|---|---|"]
+        lines += [f"| {name} | {value:.1f} |" for name, value in p["microseconds"].items()]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

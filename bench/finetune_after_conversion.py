@@ -14,7 +14,7 @@ held-out text uses), same steps. Held-out perplexity: 2,048 tokens of the conver
 512 (the converter's own quality report). The requirement (issue 9): after the same steps, a conversion's perplexity
 is within 1.05x of the source's.
 
-Usage: python bench/finetune_after_conversion.py [--steps 3] [--conversions lstsq,scale,none] [--work DIR]
+Usage: python -m bench finetune_after_conversion [--steps 3] [--conversions lstsq,scale,none] [--work DIR]
 (about 15 minutes on 2 CPU cores). Writes bench/results/finetune_after_conversion.md and .json.
 """
 
@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).parent / "results"
+import suite
+
 BLOCK = 256
 BATCH = 4
 # Docstrings of modules that neither CALIBRATION_MODULES nor HELD_OUT_MODULES use.
@@ -140,6 +141,8 @@ def main():
     parser.add_argument("--append", action="store_true",
                         help="add rows to the existing results (models already there are skipped), e.g. the V2 rows "
                         "from a checkout that has --diff-version 2")
+    parser.add_argument("--output", default="finetune_after_conversion",
+                        help="results name under bench/results, or a path (no suffix)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -158,7 +161,7 @@ def main():
                          add_special_tokens=False).input_ids[0][: 2048 + 1]
     recipes = args.recipes.split(",")
 
-    previous = json.loads((RESULTS / "finetune_after_conversion.json").read_text()) if args.append else None
+    previous = json.loads(suite.result_path(args.output, ".json").read_text()) if args.append else None
     done = {row["model"] for row in previous["rows"]} if previous else set()
     seconds = {}
     models = [] if "source LLaMA" in done else [("source LLaMA", source, {}, {})]
@@ -194,13 +197,17 @@ def main():
         for recipe in recipes:
             row[f"{recipe} x source"] = row[recipe] / source_row[recipe]
 
-    RESULTS.mkdir(exist_ok=True)
     result = {"steps": args.steps, "batch": f"{BATCH} x {BLOCK} tokens", "threads": args.threads,
-              "held_out_tokens": len(held_out) - 1, "rows": rows}
-    (RESULTS / "finetune_after_conversion.json").write_text(json.dumps(result, indent=2) + "\n")
+              "held_out_tokens": len(held_out) - 1, "recipes": recipes, "rows": rows}
+    suite.write_result("finetune_after_conversion", args.output, result, render)
+
+
+def render(result: dict) -> str:
+    rows, steps = result["rows"], result["steps"]
+    recipes = result.get("recipes") or [key for key in rows[0] if f"{key} x source" in rows[0]]
     lines = [
-        f"SmolLM2-135M-Instruct: held-out perplexity (2,048 tokens) before and after {args.steps} training steps "
-        f"({BATCH} x {BLOCK} tokens each, same seed and batches); in brackets: x the source LLaMA after the same "
+        f"SmolLM2-135M-Instruct: held-out perplexity (2,048 tokens) before and after {steps} training steps "
+        f"({result['batch']} each, same seed and batches); in brackets: x the source LLaMA after the same "
         "recipe (required: at most 1.05).", "",
         "| model | v_proj rms | o_proj rms | before | " + " | ".join(recipes) + " |",
         "|---|---|---|---|" + "---|" * len(recipes),
@@ -212,10 +219,8 @@ def main():
     lines += ["", "Recipes: `train` = `diff-llama train MODEL DATA OUT --max-steps N` (defaults: AdamW lr 5e-5, cosine, "
               "λ lr 1e-2); `train --lora` = the same with `--lora` (lr 2e-4); `Trainer` = a plain "
               "`transformers.Trainer` with its own AdamW at lr 5e-5; `PEFT LoRA` = plain PEFT LoRA r 16 on q/k/v/o, "
-              "Trainer's AdamW at lr 2e-4. Command: `python bench/finetune_after_conversion.py --steps "
-              f"{args.steps}`."]
-    (RESULTS / "finetune_after_conversion.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+              "Trainer's AdamW at lr 2e-4."]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,11 @@ Every figure is the median of interleaved repetitions (model A, B, C, A, B, C, .
 - one training step (forward + backward, batch 4 x 256) time, and its peak memory: how far resident memory grows
   during the step (gradients already allocated), sampled in a fresh process per model.
 
-Usage: python bench/model_benchmark.py [--rounds 5] [--dtype float32] [--threads 2] [--skip-compile]
+Usage: python -m bench model_benchmark [--rounds 5] [--dtype float32] [--threads 2] [--skip-compile]
 Writes bench/results/model.json, bench/results/model.md and bench/results/model.png.
 """
 
 import argparse
-import json
 import statistics
 import subprocess
 import textwrap
@@ -30,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).parent / "results"
+import suite
+
 MODELS = ("llama", "diff-llama", "built-in", "diff-llama v2", "llama 2x heads", "diff-llama padded", "diff-llama blocked",
           "diff-llama paired", "llama wide q")
 # Version 1 with one kernel forced where it applies (`model.set_differential_kernel`), to compare kernels in one run:
@@ -162,7 +162,7 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-compile", action="store_true", help="leave out the compiled static-cache decode")
     parser.add_argument("--only", metavar="TEXT", help="measure only the figures whose name contains TEXT "
-                        "(e.g. decode); results are printed, not written")
+                        "(e.g. decode); results are printed, and written only with --output")
     parser.add_argument("--models", default=",".join(MODELS[:5]),
                         help="comma-separated subset of " + ", ".join(MODELS) + " (default: the first five)")
     parser.add_argument("--prefill-8192", action="store_true", help="add whole-model prefill at 8192 tokens")
@@ -217,7 +217,7 @@ def main():
     if not args.only or args.only in "train step peak memory (MB)":
         peaks = {name: training_peak_bytes(name, args.dtype, args.threads) for name in models}
         results["train step peak memory (MB)"] = {name: peak / 1e6 for name, peak in peaks.items()}
-    if args.only:
+    if args.only and not args.output:
         for label, values in results.items():
             print(f"{label}: " + ", ".join(f"{name} {value:.1f}" for name, value in values.items()) + "; "
                   + ", ".join(f"{a} / {b} {_ratio_cell(values, samples, label, a, b)}" for a, b in RATIOS
@@ -236,19 +236,24 @@ def round_ratio_range(samples, label, a, b) -> tuple[float, float] | None:
 
 
 def write_results(results, args, samples):
-    RESULTS.mkdir(exist_ok=True)
     name = args.output or ("model" if args.dtype == "float32" else f"model-{args.dtype}")
-    models = args.models
+    config = {"shape": SHAPE, "dtype": args.dtype, "threads": args.threads, "rounds": args.rounds,
+              "torch": torch.__version__, "models": args.models}
+    path = suite.write_result("model_benchmark", name, {"config": config, "results": results, "samples": samples},
+                              render)
+    if {"llama", "diff-llama", "built-in", "diff-llama v2"} <= set(args.models):
+        plot(results, path.with_suffix(".png"))
+
+
+def render(result: dict) -> str:
+    config, results, samples = result["config"], result["results"], result.get("samples") or {}
+    shape, models = config["shape"], config.get("models") or list(next(iter(results.values())))
     ratios = [(a, b) for a, b in RATIOS if a in models and b in models]
-    meta = {"shape": SHAPE, "dtype": args.dtype, "threads": args.threads, "rounds": args.rounds,
-            "torch": torch.__version__, "models": models}
-    (RESULTS / f"{name}.json").write_text(
-        json.dumps({"config": meta, "results": results, "samples": samples}, indent=2) + "\n")
     lines = [
-        f"hidden {SHAPE['hidden_size']}, {SHAPE['num_attention_heads']} heads, {SHAPE['num_hidden_layers']} layers, "
-        f"{args.dtype}, {args.threads} threads, medians of {args.rounds} interleaved rounds. Times: lower is better; "
-        "tok/s: higher is better. A ratio is of the medians; in brackets, the smallest and largest ratio of the "
-        "same two models within one round.",
+        f"hidden {shape['hidden_size']}, {shape['num_attention_heads']} heads, {shape['num_hidden_layers']} layers, "
+        f"{config['dtype']}, {config['threads']} threads, medians of {config['rounds']} interleaved rounds. Times: "
+        "lower is better; tok/s: higher is better. A ratio is of the medians; in brackets, the smallest and largest "
+        "ratio of the same two models within one round.",
         "",
         "| figure | " + " | ".join(models) + " | " + " | ".join(f"{a} / {b}" for a, b in ratios) + " |",
         "|---" * (1 + len(models) + len(ratios)) + "|",
@@ -256,10 +261,7 @@ def write_results(results, args, samples):
     for label, values in results.items():
         lines.append(f"| {label} | " + " | ".join(f"{values[name]:.1f}" for name in models) + " | "
                      + " | ".join(_ratio_cell(values, samples, label, a, b) for a, b in ratios) + " |")
-    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    if {"llama", "diff-llama", "built-in", "diff-llama v2"} <= set(models):
-        plot(results, RESULTS / f"{name}.png")
+    return "\n".join(lines)
 
 
 def _ratio_cell(values, samples, label, a, b) -> str:

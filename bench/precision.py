@@ -4,20 +4,19 @@ Times SmolLM2-135M-Instruct prefilling the same tokens in float32 and in bfloat1
 one round each after a short warm-up, and a training step (forward and backward) in float32 and under bfloat16
 autocast, then reports the CPU's bf16 capabilities and `diff_llama.precision.fastest_dtype()`.
 
-    python bench/precision.py [--tokens 2048] [--threads 1]
+    python -m bench precision [--tokens 2048] [--threads 1]
 
-Writes bench/results/precision-<cpu>-<bf16 units>.md (one file per kind of CPU: CPUs of one name differ, e.g. AMD EPYCs
+Writes bench/results/precision-<cpu>-<bf16 units>.{json,md} (one file per kind of CPU: CPUs of one name differ, e.g. AMD EPYCs
 with and without AVX512-BF16).
 """
 
 import argparse
 import re
 import time
-from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+import suite
 
 
 def timed(function) -> float:
@@ -31,11 +30,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="prefill length")
     parser.add_argument("--train-tokens", type=int, default=512, help="training step length")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--output", help="results name or path, no suffix (default: precision-<cpu>-<bf16 units>)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     from diff_llama.precision import CPU_BFLOAT16_UNITS, fastest_dtype
-    from diff_llama.retrieval import load_model
+    from diff_llama.resolve import load_model
 
     model, _ = load_model("smollm2", dtype="float32")
     ids = torch.randint(100, 10000, (1, args.tokens), generator=torch.Generator().manual_seed(0))
@@ -63,13 +63,24 @@ def main() -> None:
     capabilities = getattr(torch.cpu, "get_capabilities", lambda: {})()
     cpu = str(capabilities.get("cpu_name", "unknown cpu"))
     units = {name: bool(capabilities.get(name)) for name in CPU_BFLOAT16_UNITS}
-    lines = [
-        f"CPU: {cpu}, {args.threads} thread(s), torch {torch.__version__}. bf16 units: "
+    result = {"tokens": args.tokens, "train_tokens": args.train_tokens, "threads": args.threads, "cpu": cpu,
+              "bf16_units": units, "fastest_dtype": str(fastest_dtype())[6:],
+              "seconds": {name: seconds for name, seconds in rows}}
+    present = [name for name, found in units.items() if found] or ["no-bf16-units"]
+    name = f"precision-{re.sub(r'[^a-z0-9]+', '-', '-'.join([cpu, *present]).lower()).strip('-')}"
+    suite.write_result("precision", args.output or name, result, render)
+
+
+def render(result: dict) -> str:
+    rows = list(result["seconds"].items())
+    units = result["bf16_units"]
+    return "\n".join([
+        f"CPU: {result['cpu']}, {result['threads']} thread(s). bf16 units: "
         + ", ".join(f"{name} {'yes' if present else 'no'}" for name, present in units.items())
-        + f". `fastest_dtype()`: **{str(fastest_dtype())[6:]}**.",
+        + f". `fastest_dtype()`: **{result['fastest_dtype']}**.",
         "",
-        f"`python bench/precision.py --tokens {args.tokens} --threads {args.threads}`, SmolLM2-135M-Instruct, one "
-        "round each after a warm-up:",
+        f"SmolLM2-135M-Instruct, prefill of {result['tokens']} tokens and a training step of {result['train_tokens']} "
+        "tokens, one round each after a warm-up:",
         "",
         "| what | seconds |",
         "|---|---|",
@@ -77,13 +88,7 @@ def main() -> None:
         "",
         f"bfloat16 / float32: prefill {rows[1][1] / rows[0][1]:.2f}x the time, training step "
         f"{rows[3][1] / rows[2][1]:.2f}x.",
-    ]
-    RESULTS.mkdir(exist_ok=True)
-    present = [name for name, found in units.items() if found] or ["no-bf16-units"]
-    output = RESULTS / f"precision-{re.sub(r'[^a-z0-9]+', '-', '-'.join([cpu, *present]).lower()).strip('-')}.md"
-    output.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"\nwritten to {output}")
+    ])
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Runs `diff-llama recover` with its defaults (full fine-tuning by distillation fr
 training minutes, evaluation excluded) on the model that `bash scripts/run_main_job.sh` converts, and writes
 bench/results/recovery.{json,md,png}. `--report FILE` only turns an existing recovery_report.json into those files.
 
-Usage: python bench/recovery.py [--minutes 30] [--threads 2]     (about 40 minutes on 2 cores)
+Usage: python -m bench recovery [--minutes 30] [--threads 2]     (about 40 minutes on 2 cores)
 """
 
 import argparse
@@ -12,15 +12,20 @@ import json
 import shutil
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+import suite
+
 CONVERTED = Path("outputs/SmolLM2-135M-Instruct-diff")
 RECOVERED = Path("outputs/SmolLM2-135M-Instruct-diff-recovered")
 
 
-def write_results(report: dict, curve_png: Path) -> str:
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "recovery.json").write_text(json.dumps(report, indent=1) + "\n")
-    shutil.copy(curve_png, RESULTS / "recovery.png")
+def write_results(report: dict, curve_png: Path, output: str = "recovery") -> Path:
+    path = suite.write_result("recovery", output, {"report": report}, render)
+    shutil.copy(curve_png, path.with_suffix(".png"))
+    return path
+
+
+def render(result: dict) -> str:
+    report = result["report"]
     source = report["source_perplexity"]
     lines = [
         f"SmolLM2-135M-Instruct converted (expand layout) then recovered by distillation: {report['steps']} steps of "
@@ -34,9 +39,7 @@ def write_results(report: dict, curve_png: Path) -> str:
     ]
     lines += [f"| {r['train_minutes']:.1f} | {r['step']} | {r['perplexity']:.2f} | {r['perplexity'] / source:.3f} "
               f"| {r['mean_abs_lambda']:.3f} |" for r in report["curve"]]
-    table = "\n".join(lines) + "\n"
-    (RESULTS / "recovery.md").write_text(table)
-    return table
+    return "\n".join(lines)
 
 
 def main():
@@ -44,6 +47,7 @@ def main():
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--report", help="an existing recovery_report.json (skips training)")
+    parser.add_argument("--output", default="recovery", help="results name under bench/results, or a path (no suffix)")
     args = parser.parse_args()
     if args.report:
         report_path = Path(args.report)
@@ -54,7 +58,7 @@ def main():
             raise SystemExit(f"{CONVERTED} is missing: run `bash scripts/run_main_job.sh` first.")
         recover(str(CONVERTED), RecoveryOptions(output=str(RECOVERED), minutes=args.minutes, threads=args.threads))
         report_path = RECOVERED / "recovery_report.json"
-    print(write_results(json.loads(report_path.read_text()), report_path.parent / "recovery_curve.png"))
+    write_results(json.loads(report_path.read_text()), report_path.parent / "recovery_curve.png", args.output)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,124 @@
+"""bench/ as a suite: the registry behind `python -m bench`, the metadata every result records, and markdown
+rendered from the result's JSON (bench/suite.py). Real files in tmp_path."""
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+
+import suite  # noqa: E402
+
+NOT_BENCHMARKS = {"__init__", "__main__", "suite"}
+RETIRED = {"v2_fused_probe", "kernel_profile", "calibration_cost"}  # answered one-off probes; their results stay
+
+
+def test_every_script_is_registered_with_a_description_and_defines_main_and_render():
+    scripts = {path.stem for path in BENCH.glob("*.py")} - NOT_BENCHMARKS
+    assert scripts == set(suite.BENCHMARKS)
+    assert not RETIRED & scripts
+    for name, description in suite.BENCHMARKS.items():
+        assert description and "\n" not in description
+        defined = {node.name for node in ast.parse((BENCH / f"{name}.py").read_text()).body
+                   if isinstance(node, ast.FunctionDef)}
+        assert {"main", "render"} <= defined, name
+        source = (BENCH / f"{name}.py").read_text()
+        assert "suite.write_result(" in source, f"{name} writes its results some other way"
+        # no result .md or .json written beside the shared writer (a scratch file in the work folder is fine)
+        assert not re.search(r'(\.md"\)|"\.md"\)|results.*\.json"\))\.write_text', source), name
+
+
+def test_retired_probes_results_stay_in_the_results_index():
+    index = (BENCH / "results" / "README.md").read_text()
+    for results in ("v2_fused_probe-epyc.md", "calibration_cost.md", "attention_core-inductor-epyc.md"):
+        assert (BENCH / "results" / results).exists() and results in index
+
+
+def test_list_names_every_benchmark_with_its_description():
+    out = subprocess.run([sys.executable, "-m", "bench", "list"], cwd=BENCH.parent, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == len(suite.BENCHMARKS)
+    for line, (name, description) in zip(lines, suite.BENCHMARKS.items()):
+        assert line.split()[0] == name and line.endswith(description)
+    unknown = subprocess.run([sys.executable, "-m", "bench", "no_such_benchmark"], cwd=BENCH.parent,
+                             capture_output=True, text=True, timeout=120)
+    assert unknown.returncode == 2 and "python -m bench list" in unknown.stderr
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse4_2 avx avx2 fma f16c avx512f avx512_bf16 amx_bf16 amx_tile
+processor\t: 1
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse4_2 avx avx2 fma f16c avx512f avx512_bf16 amx_bf16 amx_tile
+"""
+
+
+def test_machine_records_the_cpu_model_and_its_vector_and_bf16_flags():
+    machine = suite.machine(CPUINFO)
+    assert machine["cpu"] == "Intel(R) Xeon(R) Platinum 8480+"
+    assert machine["cpu_flags"] == ["amx_bf16", "amx_tile", "avx", "avx2", "avx512_bf16", "avx512f", "f16c", "fma"]
+    assert "gpu" in machine and machine["cores"] >= 1
+    epyc = suite.machine("model name\t: AMD EPYC 7B13\nflags\t\t: sse2 avx avx2 fma\n")
+    assert epyc["cpu"] == "AMD EPYC 7B13" and epyc["cpu_flags"] == ["avx", "avx2", "fma"]
+
+
+def render_pairs(result):
+    # what JSON gives back: lists, not tuples; string keys
+    assert isinstance(result["pairs"][0], list) and list(result["by_tokens"]) == ["512"]
+    return "| a | b |\n|---|---|\n" + "\n".join(f"| {a} | {b} |" for a, b in result["pairs"])
+
+
+def test_write_result_records_the_run_and_renders_the_markdown_from_the_json(tmp_path, monkeypatch):
+    monkeypatch.setattr(suite, "COMMAND", "python -m bench demo --rounds 1")
+    path = suite.write_result("demo", tmp_path / "out" / "demo", {"pairs": [(1, 2)], "by_tokens": {512: 1.5}},
+                              render_pairs)
+    assert path == tmp_path / "out" / "demo.json"
+    result = json.loads(path.read_text())
+    meta = result["meta"]
+    assert meta["benchmark"] == "demo" and meta["command"] == "python -m bench demo --rounds 1"
+    assert meta["date"][:2] == "20" and "T" in meta["date"]
+    assert {"cpu", "cpu_flags", "cores", "gpu"} <= set(meta["machine"])
+    assert set(meta["versions"]) >= {"torch", "transformers", "diff-llama"}
+    assert all(meta["versions"][name] for name in ("torch", "transformers", "diff-llama"))
+    markdown = path.with_suffix(".md").read_text()
+    assert markdown.startswith("| a | b |\n|---|---|\n| 1 | 2 |\n")
+    assert "python -m bench demo --rounds 1" in markdown and meta["machine"]["cpu"] in markdown
+    assert f"torch {meta['versions']['torch']}" in markdown
+    # The markdown follows the JSON: edit the JSON, render again, and the table changes with it.
+    result["pairs"] = [[3, 4]]
+    path.write_text(json.dumps(result))
+    suite.render_file(path, render_pairs)
+    assert "| 3 | 4 |" in path.with_suffix(".md").read_text() and "| 1 | 2 |" not in path.with_suffix(".md").read_text()
+
+
+def test_a_bare_name_goes_under_bench_results():
+    assert suite.result_path("model", ".json") == BENCH / "results" / "model.json"
+    assert suite.result_path("/tmp/x/model.md", ".json") == Path("/tmp/x/model.json")
+
+
+def test_render_finds_the_benchmark_by_the_name_the_json_records(tmp_path):
+    results = {"device": "test", "torch": "x", "rounds": 1, "figures": ["decode"], "prompt_tokens": 512,
+               "command": "python -m bench cuda_benchmark", "shapes": {"s": {
+                   "medians": {"llama": {"decode b1 (tokens/s)": 100.0}}, "samples": {}}}}
+    path = suite.write_result("cuda_benchmark", tmp_path / "cuda", results)  # the module's own render
+    first = path.with_suffix(".md").read_text()
+    path.with_suffix(".md").unlink()
+    out = subprocess.run([sys.executable, "-m", "bench", "render", str(path)], cwd=BENCH.parent, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert path.with_suffix(".md").read_text() == first and "| decode b1 (tokens/s) | 100 |" in first
+
+
+def test_unknown_benchmark_is_refused_by_name():
+    with pytest.raises(KeyError, match="unknown benchmark 'nope'"):
+        suite.module("nope")
