@@ -187,3 +187,24 @@ def test_serve_preloads_a_gguf_file_under_transformers_serves_name(tmp_path, mon
     assert serving.served_names(str(tmp_path / "m.gguf"))[1] == {str(tmp_path / "m.gguf")}
     name = serving.ServedModelName(f"{tmp_path}:m.gguf", {"smollm2"})
     assert name == "smollm2" and not "smollm2" != name and name != "other" and str(name) == f"{tmp_path}:m.gguf"
+
+
+def test_an_older_server_without_gguf_loading_is_refused_in_one_line(monkeypatch):
+    from transformers.cli.serving.model_manager import ModelManager
+
+    from diff_llama.serving import require_server_with_gguf_loading
+
+    require_server_with_gguf_loading()  # the installed transformers serve takes gguf_file
+    monkeypatch.setattr(ModelManager, "_load_model", lambda self, model_id_and_revision, tqdm_class=None: None)
+    with pytest.raises(ImportError, match=r"transformers 5\.17 or newer .*pip install -U"):
+        require_server_with_gguf_loading()
+
+
+def test_split_revision_keeps_an_at_sign_of_an_existing_path(tmp_path):
+    from diff_llama.serving import split_revision
+
+    folder = tmp_path / "ckpt@1000"
+    folder.mkdir()
+    assert split_revision(str(folder)) == (str(folder), None)
+    assert split_revision("org/model@dev") == ("org/model", "dev")
+    assert split_revision("org/model") == ("org/model", None)

@@ -45,9 +45,34 @@ class ServedModelName(str):
     __hash__ = str.__hash__
 
 
+def split_revision(model_id_and_revision: str) -> tuple[str, str | None]:
+    """`"org/model@dev"` -> `("org/model", "dev")`; an existing local path keeps an `@` it holds (it has no revision).
+    transformers serve has its own from 5.24 on; the older servers this package supports split at the first `@`."""
+    import os
+
+    if os.path.exists(model_id_and_revision):
+        return model_id_and_revision, None
+    model_id, _, revision = model_id_and_revision.partition("@")
+    return model_id, revision or None
+
+
+def require_server_with_gguf_loading() -> None:
+    """The model manager this module extends loads GGUF files (its `_load_model` takes `gguf_file`), which transformers
+    serve does from 5.17 on; older servers are refused in one line rather than failing mid-request."""
+    import inspect
+
+    import transformers
+    from transformers.cli.serving.model_manager import ModelManager
+
+    if "gguf_file" not in inspect.signature(ModelManager._load_model).parameters:
+        raise ImportError(
+            f"diff-llama serve needs the server of transformers 5.17 or newer (this is {transformers.__version__}): "
+            'pip install -U "transformers>=5.17"'
+        )
+
+
 def _model_manager_class(aliases=()):
     from transformers.cli.serving.model_manager import ModelManager
-    from transformers.cli.serving.utils import split_revision  # a local path may hold an "@"; it has no revision
 
     class DiffLlamaModelManager(ModelManager):
         """transformers' ModelManager; DiffLlama configs load through AutoModelForCausalLM, and the preloaded model
@@ -142,6 +167,7 @@ def serve(model: str, options) -> int:
             "serving needs transformers' serving extras (fastapi, uvicorn, openai, pydantic): "
             'pip install "diff-llama[serving]"'
         )
+    require_server_with_gguf_loading()
     from transformers.cli.serve import Serve
 
     names = " or ".join(repr(n) for n in sorted({model, force_model}))
