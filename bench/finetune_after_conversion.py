@@ -102,13 +102,14 @@ def run_recipe(recipe: str, model_dir: Path, data_file: Path, out: Path, steps: 
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
 
-    from diff_llama.training import TokenBlocks, read_text, train
+    from diff_llama.training import FineTuneOptions, TokenBlocks, read_text, train
 
     if out.exists():
         shutil.rmtree(out)
     if recipe in ("train", "train --lora"):
         lora = recipe.endswith("--lora")
-        train(str(model_dir), str(data_file), str(out), lora=lora, max_steps=steps, save_steps=10**6)
+        train(str(model_dir), FineTuneOptions(data=str(data_file), output=str(out), lora=lora, max_steps=steps,
+                                              save_steps=10**6))
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         model = PeftModel.from_pretrained(base, out) if lora else AutoModelForCausalLM.from_pretrained(out)
     else:
