@@ -167,7 +167,7 @@ def test_adapt_trains_every_part_of_a_diff_v2_model_and_writes_curves(tmp_path, 
     assert history["autocast_dtype"] == "torch.float32"  # 'none': no autocast
     assert len(history["steps"]) == 3 and all("answer_loss" in s for s in history["steps"])
     assert [("text_loss" in s) for s in history["steps"]] == [True, False, True]
-    assert history["cpu_minutes"] > 0 and not history["stopped_by_budget"]
+    assert history["train_minutes"] > 0 and not history["stopped_by_budget"]
     moved = {name for name, value in model.state_dict().items() if not torch.equal(value, before[name])}
     assert all(any(f"layers.{i}.self_attn.differential_lambda.lambda_proj" in n for n in moved) for i in range(3))
     assert "model.layers.0.self_attn.q_proj.weight" in moved and "lm_head.weight" in moved
@@ -194,7 +194,7 @@ def test_frozen_layers_stay_fixed_and_get_no_backward_pass(tmp_path, chat_tokeni
 
 def test_frozen_layers_are_unfrozen_when_training_stops_with_an_error(chat_tokenizer):
     model = tiny_model(vocab_size=len(chat_tokenizer), max_position_embeddings=1024, diff_version=2)
-    with mock.patch("diff_llama.adaptation.RetrievalExamples.next", side_effect=KeyboardInterrupt):
+    with mock.patch("diff_llama.adaptation.RetrievalExamples.__getitem__", side_effect=KeyboardInterrupt):
         with pytest.raises(KeyboardInterrupt):
             adapt(model, chat_tokenizer, AdaptationOptions(max_steps=2, eval_every=0, autocast="none",
                                                            frozen_layers=1, **SMALL), name="tiny")
@@ -210,14 +210,23 @@ def test_adapt_refuses_more_frozen_layers_than_it_can_train(chat_tokenizer):
             adapt(model, chat_tokenizer, AdaptationOptions(frozen_layers=bad, **SMALL))
 
 
-def test_adapt_says_when_the_cpu_budget_cuts_its_schedule_short(tmp_path, chat_tokenizer):
+def test_adapt_says_when_the_time_budget_cuts_its_schedule_short(tmp_path, chat_tokenizer):
     model = tiny_model(vocab_size=len(chat_tokenizer), max_position_embeddings=1024)
-    options = AdaptationOptions(max_steps=5, max_cpu_minutes=1e-9, eval_every=0, autocast="none",
+    options = AdaptationOptions(max_steps=5, max_seconds=1e-9, eval_every=0, autocast="none",
                                 **{**SMALL, "warmup_steps": 5})
     with pytest.warns(UserWarning, match="ran out after 1 of 5 steps, with the learning rate at 20%"):
         history = adapt(model, chat_tokenizer, options, name="tiny")
     assert history["stopped_by_budget"] and len(history["steps"]) == 1
     assert [p["step"] for p in history["probes"]] == [0, 1]
+
+
+def test_the_cpu_minutes_budget_still_sets_the_wall_clock_budget_with_a_warning(chat_tokenizer):
+    model = tiny_model(vocab_size=len(chat_tokenizer), max_position_embeddings=1024)
+    options = AdaptationOptions(max_steps=3, max_cpu_minutes=1e-9, eval_every=0, autocast="none", **SMALL)
+    with pytest.warns(FutureWarning, match="max_cpu_minutes is deprecated.*max_seconds"):
+        with pytest.warns(UserWarning, match="ran out after 1 of 3 steps"):
+            history = adapt(model, chat_tokenizer, options, name="tiny")
+    assert history["stopped_by_budget"]
 
 
 def test_second_heads_of_diff_v2_pairs_take_their_own_learning_rate():

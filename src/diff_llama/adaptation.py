@@ -13,7 +13,8 @@ causal LM, so a converted model and its source LLaMA can be trained identically 
   loss, which keeps held-out perplexity near the source's. Optionally (`kl_weight`) a KL term to the model as it was
   before training on the same block.
 - AdamW (`training.optimizer_for`), linear warm-up then linear decay over `max_steps`, float32 master weights, bfloat16
-  autocast where the CPU has bf16 units (faster than float32 there; emulated elsewhere, and far slower: `precision`).
+  autocast where the training device computes bf16 in hardware (faster than float32 there; emulated elsewhere, and far
+  slower: `precision`).
 - What a DIFF V2 conversion adds to its source, its λ projection and the second (negative) query head of each pair,
   trains at `differential_learning_rate` (warmed up over `differential_warmup_steps` if set); everything the two
   models share trains at `learning_rate`. A lossless conversion starts with both heads of a pair equal and λ = 0.5:
@@ -21,12 +22,19 @@ causal LM, so a converted model and its source LLaMA can be trained identically 
   parameters, so the comparison stays like for like.
 
 `frozen_layers` keeps the embeddings and the lower decoder layers fixed, so that no backward pass runs below the first
-trained layer: more steps within a CPU budget, at the price of what those layers could learn.
+trained layer: more steps within a budget, at the price of what those layers could learn.
 
-The training budget is counted in CPU seconds of the training steps alone (evaluations excluded), so models trained
-side by side on a shared machine get comparable figures. Every `eval_every` steps a small held-out probe (evaluation
-cities and filler, another seed than `diff-llama evaluate`'s default cases) records retrieval accuracy, attention to the
-answer and to noise, and held-out perplexity: the curve against CPU-minutes lands in adapt.json and adapt.png.
+The loop is the `transformers.Trainer`'s, so `adapt` trains wherever the Trainer does: on the CPU, on one accelerator,
+or data-parallel under `accelerate launch` (DDP). The examples form one global stream indexed by position: step s
+trains on examples s·B .. s·B + B − 1 (B = `batch_size`), each process taking its share of them, so the same seed
+trains on the same examples whatever the device and the number of processes. The probes, the second heads' learning
+rate and the time budget are Trainer callbacks; checkpoints (`save_steps`) and `resume` are the Trainer's, and a
+resumed run goes on from the first example it had not trained on.
+
+The training budget is counted in wall-clock seconds of the training steps alone (probes and checkpoints excluded).
+Every `eval_every` steps a small held-out probe (evaluation cities and filler, another seed than `diff-llama
+evaluate`'s default cases) records retrieval accuracy, attention to the answer and to noise, and held-out perplexity:
+the curve against training minutes lands in adapt.json and adapt.png.
 """
 
 from __future__ import annotations
@@ -34,15 +42,17 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 import random
 import re
+import tempfile
 import time
 import warnings
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
+from transformers import Trainer, TrainerCallback
 
 from diff_llama_cli.options import AdaptationOptions, RetrievalArguments
 
@@ -77,13 +87,18 @@ def training_sentences() -> list[str]:
 
 
 class RetrievalExamples:
-    """An endless, seeded stream of training examples: (input_ids, number of answer tokens at the end)."""
+    """An endless, seeded stream of training examples: (input_ids, number of answer tokens at the end), read in order
+    (`next()`) or by position (`examples[i]`, the same example as the i-th `next()`).
+
+    Each example's random choices are drawn in sequence from one generator, as they always were (so a seed gives the
+    stream it gave before); reaching example i replays the cheap draws of the examples before it, never their text."""
 
     def __init__(self, tokenizer, options: AdaptationOptions):
         self.tokenizer, self.options = tokenizer, options
         self.sentences = training_sentences()
         self.rng = random.Random(f"adapt-{options.seed}")
         self.chat = bool(getattr(tokenizer, "chat_template", None))
+        self._draws, self._next = [], 0
 
     def _filler(self, count: int, seed: str) -> list[str]:
         rng = random.Random(f"filler-{seed}")
@@ -96,28 +111,84 @@ class RetrievalExamples:
             return self.tokenizer(text + self.tokenizer.eos_token, add_special_tokens=False).input_ids
         return self.tokenizer(" " + text, add_special_tokens=False).input_ids + [self.tokenizer.eos_token_id]
 
-    def next(self) -> tuple[list[int], int]:
+    def _draw(self) -> tuple:
         o, rng = self.options, self.rng
         needles = rng.randint(1, o.max_needles)
         queries = rng.randint(1, min(o.max_queries, needles))
         length = rng.randint(o.min_length, o.max_length)
         if o.long_length and rng.random() < o.long_fraction:  # no extra draw without long examples: same stream
             length = rng.randint(o.max_length + 1, o.long_length)
-        case = make_case(self.tokenizer, length, rng.random(), needles, queries,
-                         seed=f"adapt-{o.seed}-{rng.random()}", city_pool=TRAINING_CITIES, filler=self._filler)
+        depth = rng.random()
+        return length, depth, needles, queries, f"adapt-{o.seed}-{rng.random()}"
+
+    def __getitem__(self, index: int) -> tuple[list[int], int]:
+        while len(self._draws) <= index:
+            self._draws.append(self._draw())
+        length, depth, needles, queries, seed = self._draws[index]
+        case = make_case(self.tokenizer, length, depth, needles, queries, seed=seed, city_pool=TRAINING_CITIES,
+                         filler=self._filler)
         answer = self.answer_ids(case.query_numbers)
         return case.input_ids + answer, len(answer)
+
+    def next(self) -> tuple[list[int], int]:
+        self._next += 1
+        return self[self._next - 1]
+
+
+class TextBlocks:
+    """Blocks of `block` tokens of the training docstrings (held-out text excluded), reshuffled every pass: block k
+    of the endless sequence is `blocks[k]`."""
+
+    def __init__(self, tokenizer, block: int, seed: int):
+        from .training import TokenBlocks
+
+        self.blocks = TokenBlocks(tokenizer, training_text(), block_size=block).blocks
+        self.rng = torch.Generator().manual_seed(seed)
+        self.orders = []  # one permutation per pass, drawn in sequence from `rng`
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        rounds, position = divmod(index, len(self.blocks))
+        while len(self.orders) <= rounds:
+            self.orders.append(torch.randperm(len(self.blocks), generator=self.rng))
+        return self.blocks[self.orders[rounds][position]]
 
 
 def text_blocks(tokenizer, block: int, seed: int):
     """Endless shuffled blocks of `block` tokens of the training docstrings (held-out text excluded)."""
-    from .training import TokenBlocks
-
-    blocks = TokenBlocks(tokenizer, training_text(), block_size=block).blocks
-    rng = torch.Generator().manual_seed(seed)
+    blocks = TextBlocks(tokenizer, block, seed)
+    index = 0
     while True:
-        for index in torch.randperm(len(blocks), generator=rng):
-            yield blocks[index]
+        yield blocks[index]
+        index += 1
+
+
+class AdaptationStream(torch.utils.data.Dataset):
+    """The run's examples by position: item i is retrieval example i of step i // batch_size; the first item of every
+    `text_every`-th step also carries the next language-modelling block. A sequential sampler (and accelerate's
+    sharding of it across processes) hands each step's items out without building the ones a resumed run skips."""
+
+    def __init__(self, tokenizer, options: AdaptationOptions, batch_size: int):
+        self.options, self.batch_size = options, batch_size
+        self.examples = RetrievalExamples(tokenizer, options)
+        self.text = TextBlocks(tokenizer, options.text_block, options.seed) if options.text_every else None
+
+    def __len__(self):
+        return self.options.max_steps * self.batch_size
+
+    def __getitem__(self, index: int) -> dict:
+        step, slot = divmod(index, self.batch_size)
+        input_ids, answer_tokens = self.examples[index]
+        item = {"index": torch.tensor(index), "input_ids": torch.tensor(input_ids),
+                "answer_tokens": torch.tensor(answer_tokens)}
+        if self.text is not None and slot == 0 and step % self.options.text_every == 0:
+            item["text_ids"] = self.text[step // self.options.text_every]
+        return item
+
+
+def collate_one(items: list[dict]) -> dict:
+    """Examples differ in length: each micro-batch is one example, as a batch of one (no padding)."""
+    (item,) = items
+    return {key: value[None] for key, value in item.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -128,20 +199,26 @@ def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
     return logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 logits make a coarse loss
 
 
-def answer_loss(model, input_ids: list[int], answer_tokens: int) -> torch.Tensor:
+def answer_loss(model, input_ids: list[int] | torch.Tensor, answer_tokens: int) -> torch.Tensor:
     """Cross-entropy of the last `answer_tokens` tokens given everything before them; the lm head only sees the
-    positions that predict them."""
-    ids = torch.tensor([input_ids], device=model.device)
+    positions that predict them. `input_ids`: a list, or a (1, length) tensor already on the model's device (a
+    DDP-wrapped model has no `device`)."""
+    ids = input_ids if torch.is_tensor(input_ids) else torch.tensor([input_ids], device=model.device)
     logits = _at_least_float32(model(input_ids=ids, logits_to_keep=answer_tokens + 1).logits[0, :-1])
     return torch.nn.functional.cross_entropy(logits, ids[0, -answer_tokens:])
 
 
-def text_loss(model, block: torch.Tensor, reference=None, kl_weight: float = 0.0) -> torch.Tensor:
-    ids = block[None].to(model.device)
+def text_loss(model, block: torch.Tensor, reference=None, kl_weight: float = 0.0, autocast=None) -> torch.Tensor:
+    """Next-token loss on a block (1-d, or (1, length) already on the device), plus `kl_weight` x KL to `reference`
+    (run under `autocast`, a context manager factory: autocast of the trained model is the Trainer's, not the
+    reference's)."""
+    ids = block if block.dim() == 2 else block[None].to(model.device)
     logits = _at_least_float32(model(input_ids=ids).logits[0, :-1])
     loss = torch.nn.functional.cross_entropy(logits, ids[0, 1:])
     if reference is not None and kl_weight > 0:
-        with torch.no_grad():
+        import contextlib
+
+        with torch.no_grad(), (autocast or contextlib.nullcontext)():
             target = reference(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
         loss = loss + kl_weight * torch.nn.functional.kl_div(logits.log_softmax(-1), target, log_target=True,
                                                              reduction="batchmean")
@@ -232,12 +309,12 @@ def probe_options(options: AdaptationOptions) -> RetrievalArguments:
                               cases_per_depth=options.eval_cases, seed=1, perplexity_tokens=2048, threads=0)
 
 
-def probe(model, tokenizer, options: AdaptationOptions, name: str) -> dict:
+def probe(model, tokenizer, options: AdaptationOptions, name: str, dtype: torch.dtype | None = None) -> dict:
+    """The held-out probe of `model` where it is, with its weights in `dtype` (None: as they are)."""
     from .retrieval import evaluate_model
 
     # A copy in the autocast dtype rather than autocast itself: autocast would re-cast every weight at every decoding
     # step, where the copy casts them once; and `diff-llama evaluate --dtype bfloat16` evaluates exactly this way.
-    dtype = _autocast_dtype(options)
     copy_ = model if dtype is None else copy.deepcopy(model).to(dtype)
     copy_.eval()
     report = evaluate_model(copy_, tokenizer, probe_options(options), name=name)
@@ -248,14 +325,39 @@ def probe(model, tokenizer, options: AdaptationOptions, name: str) -> dict:
             "perplexity": report["perplexity"], "probe_seconds": report["seconds"]}
 
 
-def _autocast_dtype(options: AdaptationOptions):
-    dtype = resolve_dtype(options.autocast, "cpu")
+def training_device(options: AdaptationOptions) -> torch.device:
+    """Where the Trainer will train: the CPU when asked or when there is no accelerator, else this process's
+    accelerator (under `accelerate launch`, the one of its local rank)."""
+    if options.device == "cpu" or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    return torch.device(accelerator.type, int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def _autocast_dtype(options: AdaptationOptions, device: str | torch.device = "cpu"):
+    """The autocast dtype on `device` (None: no autocast): `auto` is bfloat16 only where that device computes it in
+    hardware (`precision.fastest_dtype`)."""
+    dtype = resolve_dtype(options.autocast, device)
     return None if dtype == torch.float32 else dtype
 
 
-def _autocast(options: AdaptationOptions):
-    dtype = _autocast_dtype(options)
-    return torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None)
+def budget_seconds(options: AdaptationOptions) -> float:
+    """The time budget in seconds; `max_cpu_minutes`, the budget's former name and unit, still sets it."""
+    return options.max_seconds if options.max_cpu_minutes is None else options.max_cpu_minutes * 60
+
+
+def world_size() -> int:
+    """Processes in this launch (`accelerate launch`, torchrun set WORLD_SIZE; 1 otherwise)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def batch_size(options: AdaptationOptions) -> int:
+    size = world_size() if options.batch_size is None else options.batch_size
+    if size < 1 or size % world_size():
+        raise ValueError(f"batch_size ({size}) must be a positive multiple of the number of processes "
+                         f"({world_size()}): each process trains on an equal share of every step's examples; set "
+                         f"--batch-size to a multiple of {world_size()}")
+    return size
 
 
 def check_options(options: AdaptationOptions) -> None:
@@ -278,22 +380,176 @@ def check_options(options: AdaptationOptions) -> None:
                          f"and {options.differential_learning_rate}): the second query heads live in q_proj with the "
                          "first, so their rate is applied as a multiple of learning_rate, which must be positive; set "
                          "--learning-rate above 0 and --differential-learning-rate to 0 or more")
+    if not budget_seconds(options) > 0 or options.save_steps < 0:
+        raise ValueError(f"need max_seconds > 0 and save_steps >= 0 (got {budget_seconds(options)} and "
+                         f"{options.save_steps})")
+    batch_size(options)
     _autocast_dtype(options)  # an unknown dtype
 
 
+# Options a resumed run may change: they do not change what it trains on or how.
+RESUMABLE_CHANGES = {"max_seconds", "max_cpu_minutes", "resume", "save_steps", "threads", "device", "save",
+                     "eval_every"}
+
+
+class AdaptationTrainer(Trainer):
+    """The Trainer on `AdaptationStream`: in order (step s trains on examples s·B .. s·B + B − 1), with the recipe's
+    loss. The Trainer averages the B examples' losses over the step (over accumulation and processes alike); the
+    text block, one per step, is scaled by B so that it keeps the weight 1 it has in a step of one example."""
+
+    def __init__(self, *args, batch_size: int, reference=None, kl_weight: float = 0.0, autocast=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batch_size, self.reference, self.kl_weight, self.autocast = batch_size, reference, kl_weight, autocast
+        self.records = []  # (index, tokens, answer loss, text loss or nan) of this process's items in this step
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # The Trainer reads the checkpoint's tensors by name, but `save_pretrained` writes some under other names
+        # (a DiffLlama's λ under the built-in model's): the Trainer would leave those at their starting values.
+        # `from_pretrained` maps every name back.
+        model = self.model if model is None else model
+        saved = type(model).from_pretrained(resume_from_checkpoint, dtype=model.dtype)
+        model.load_state_dict(saved.state_dict())
+
+    def _get_train_sampler(self, train_dataset=None):
+        return torch.utils.data.SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        ids = inputs["input_ids"]
+        loss = answer = answer_loss(model, ids, int(inputs["answer_tokens"]))
+        text = torch.full_like(answer, float("nan"))
+        if "text_ids" in inputs:
+            # Only one process's example carries the step's text block: under DDP a second forward through the
+            # wrapper would start collectives (its buffer broadcast) the other processes never join. Through the
+            # module itself it starts none, and the backward still averages every gradient across the processes.
+            module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+            text = text_loss(module, inputs["text_ids"], self.reference, self.kl_weight, self.autocast)
+            loss = answer + self.batch_size * text
+        values = [inputs["index"][0], torch.tensor(ids.shape[1]), answer.detach(), text.detach()]
+        self.records.append(torch.stack([value.to(answer.device, torch.float64) for value in values]))
+        return loss
+
+
+class AdaptationMonitor(TrainerCallback):
+    """What the recipe adds to the Trainer's loop: the per-step history, the held-out probes, the second heads' own
+    learning rate, the wall-clock budget, and the state a resumed run needs (in every checkpoint)."""
+
+    def __init__(self, trainer: AdaptationTrainer, tokenizer, options: AdaptationOptions, history: dict,
+                 output: Path | None, probe_dtype):
+        self.trainer, self.tokenizer, self.options, self.history = trainer, tokenizer, options, history
+        self.output, self.probe_dtype = output, probe_dtype
+        self.seconds = history.get("train_minutes", 0.0) * 60  # a resumed run goes on counting
+        self.second_heads = None
+        self.factor = 1.0
+        self.out_of_budget = False
+        self._since = None
+
+    def record_probe(self, model, step: int):
+        self.history["probes"].append({"step": step, "train_minutes": self.seconds / 60,
+                                       "pair_divergence": pair_divergence(model),
+                                       **probe(model, self.tokenizer, self.options,
+                                               f"{self.history['name']} @ {step}", self.probe_dtype)})
+        if self.output is not None and self.trainer.is_world_process_zero():
+            write_history(self.history, self.output)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.second_heads = SecondHeadRate(model, 1.0)  # after the Trainer moved the model to its device
+        if not self.history["probes"]:
+            # Every process probes (each holds the whole model under DDP), so none waits long at the next step.
+            self.record_probe(model, 0)
+        self._since = time.perf_counter()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        options, step = self.options, state.global_step
+        self.factor, own_factor = learning_rate_factor(step, options), differential_factor(step, options)
+        # the second heads share q_proj with the first: their update is the shared one, rescaled to their own rate
+        self.second_heads.factor = options.differential_learning_rate / options.learning_rate * (own_factor / self.factor)
+        self.second_heads.before_step()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.second_heads.after_step()
+
+    def _elapsed(self, device) -> float:
+        """Seconds since the last mark, the longest over the processes: every process stops at the same step."""
+        seconds = time.perf_counter() - self._since
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            value = torch.tensor([seconds], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+            seconds = value.item()
+        return seconds
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        trainer, options = self.trainer, self.options
+        # One row per example of the step, from every process (reading them waits for the device, so the clock
+        # below counts the step's work, not just its launch).
+        rows = trainer.accelerator.gather(torch.stack(trainer.records).to(args.device)).double().cpu()
+        trainer.records.clear()
+        self.seconds += self._elapsed(args.device)
+        texts = rows[:, 3][~rows[:, 3].isnan()]
+        entry = {"step": state.global_step, "examples": sorted(int(i) for i in rows[:, 0]),
+                 "tokens": int(rows[:, 1].sum()), "answer_loss": rows[:, 2].mean().item()}
+        if len(texts):
+            entry["text_loss"] = texts.sum().item()
+        entry["train_minutes"] = self.seconds / 60
+        self.history["steps"].append(entry)
+        self.out_of_budget = state.global_step < options.max_steps and self.seconds >= budget_seconds(options)
+        done = state.global_step >= options.max_steps or self.out_of_budget
+        if done or (options.eval_every and state.global_step % options.eval_every == 0):
+            self.record_probe(model, state.global_step)
+        if self.out_of_budget:
+            control.should_training_stop = True
+        self._since = time.perf_counter()
+
+    def on_save(self, args, state, control, **kwargs):
+        # The history so far and the clock, beside the Trainer's own state: a resumed run continues both.
+        if self.trainer.is_world_process_zero():
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            self.history["train_minutes"] = self.seconds / 60
+            (folder / ADAPT_STATE).write_text(json.dumps(self.history))
+        self._since = time.perf_counter()  # the time spent saving is not training time
+
+
+ADAPT_STATE = "adapt_state.json"
+
+
+def resumed_history(checkpoint: str, options: AdaptationOptions) -> dict:
+    """The history a checkpoint holds; refuses options that would change what the resumed run trains on."""
+    history = json.loads((Path(checkpoint) / ADAPT_STATE).read_text())
+    before, now = history["options"], asdict(options)
+    differ = {key: (before.get(key), value) for key, value in now.items()
+              if key not in RESUMABLE_CHANGES and before.get(key) != value}
+    if differ:
+        found = ", ".join(f"{key} {old!r}, not {new!r}" for key, (old, new) in differ.items())
+        raise ValueError(f"--resume: {checkpoint} was trained with other options ({found}); pass the same options "
+                         "(only the budget, the checkpoint and probe intervals, threads and device may change)")
+    history["options"] = now
+    return history
+
+
 def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | None = None, name: str = "model") -> dict:
-    """Train `model` in place with the recipe above; returns the history (and writes adapt.json/png to `output`)."""
-    from .training import optimizer_for
+    """Train `model` in place with the recipe above; returns the history (and writes adapt.json/png to `output`, and
+    checkpoints every `save_steps` steps, from which `options.resume` continues)."""
+    from transformers import TrainingArguments
+
+    from .training import optimizer_for, resume_checkpoint
 
     if options.threads > 0:
         torch.set_num_threads(options.threads)
     check_options(options)
+    if options.max_cpu_minutes is not None:
+        warnings.warn(f"max_cpu_minutes is deprecated: the budget is now wall-clock time, max_seconds; "
+                      f"max_cpu_minutes {options.max_cpu_minutes:g} sets it to {budget_seconds(options):g} seconds",
+                      FutureWarning, stacklevel=2)
+    if options.resume and output is None:
+        raise ValueError("resume needs the output folder that holds the run's checkpoint-N folders")
+    checkpoint = resume_checkpoint(output, True) if options.resume else None
+    device = training_device(options)
+    dtype = _autocast_dtype(options, device)
+    size = batch_size(options)
     torch.manual_seed(options.seed)
-    examples = RetrievalExamples(tokenizer, options)
-    blocks = text_blocks(tokenizer, options.text_block, options.seed) if options.text_every else None
+    stream = AdaptationStream(tokenizer, options, size)
     reference = None
     if options.kl_weight > 0:
-        reference = copy.deepcopy(model).eval().requires_grad_(False)
+        reference = copy.deepcopy(model).eval().requires_grad_(False).to(device)
     model.train()
     frozen = freeze_lower_layers(model, options.frozen_layers)
     differential = differential_parameters(model)
@@ -302,69 +558,51 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
                      "differential": True}]
     optimizer = optimizer_for(model, options.learning_rate, options.lambda_learning_rate,
                               extra_groups=extra_groups if differential else [])
-    second_heads = SecondHeadRate(model, 1.0)
-    base_rates = [group["lr"] for group in optimizer.param_groups]
-    # The dtype `auto` became on this machine, next to the options as given.
-    history = {"name": name, "options": asdict(options),
-               "autocast_dtype": str(_autocast_dtype(options) or torch.float32), "steps": [], "probes": []}
-    cpu_seconds = 0.0
-
-    def record_probe(step):
-        history["probes"].append({"step": step, "cpu_minutes": cpu_seconds / 60,
-                                  "pair_divergence": pair_divergence(model),
-                                  **probe(model, tokenizer, options, f"{name} @ {step}")})
-        if output is not None:
-            write_history(history, output)
-
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, [
+        functools.partial(differential_factor if group.get("differential") else learning_rate_factor,
+                          options=options) for group in optimizer.param_groups])
+    # The dtype `auto` became on this device, next to the options as given.
+    history = {"name": name, "options": asdict(options), "autocast_dtype": str(dtype or torch.float32),
+               "device": device.type, "processes": world_size(), "batch_size": size, "steps": [], "probes": []}
+    if checkpoint is not None:
+        history = {**resumed_history(checkpoint, options), "device": device.type, "processes": world_size()}
+    scratch = tempfile.TemporaryDirectory() if output is None else None  # the Trainer wants a folder
+    args = TrainingArguments(
+        output_dir=str(output) if output is not None else scratch.name, max_steps=options.max_steps,
+        per_device_train_batch_size=1, gradient_accumulation_steps=size // world_size(),
+        max_grad_norm=1.0, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        save_strategy="steps" if options.save_steps else "no", save_steps=options.save_steps or 500,
+        save_total_limit=1, logging_strategy="no", report_to="none", seed=options.seed,
+        remove_unused_columns=False, dataloader_drop_last=False, disable_tqdm=False,
+        # Without an accelerator, several processes still train as one data-parallel job (over gloo).
+        use_cpu=device.type == "cpu",
+    )
+    autocast = functools.partial(torch.autocast, device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+    trainer = AdaptationTrainer(model=model, args=args, train_dataset=stream, data_collator=collate_one,
+                                optimizers=(optimizer, schedule), batch_size=size, reference=reference,
+                                kl_weight=options.kl_weight, autocast=autocast)
+    monitor = AdaptationMonitor(trainer, tokenizer, options, history, None if output is None else Path(output), dtype)
+    trainer.add_callback(monitor)
     try:
-        record_probe(0)
-        progress = tqdm(range(options.max_steps), desc=f"adapt {name}")
-        for step in progress:
-            started = time.process_time()
-            factor, own_factor = learning_rate_factor(step, options), differential_factor(step, options)
-            for group, rate in zip(optimizer.param_groups, base_rates):
-                group["lr"] = rate * (own_factor if group.get("differential") else factor)
-            # the second heads share q_proj with the first: their update is the shared one, rescaled to their own rate
-            second_heads.factor = options.differential_learning_rate / options.learning_rate * (own_factor / factor)
-            input_ids, answer_tokens = examples.next()
-            with _autocast(options):
-                loss = answer_loss(model, input_ids, answer_tokens)
-            loss.backward()
-            entry = {"step": step + 1, "tokens": len(input_ids), "answer_loss": loss.item()}
-            if blocks is not None and step % options.text_every == 0:
-                with _autocast(options):
-                    lm = text_loss(model, next(blocks), reference, options.kl_weight)
-                lm.backward()
-                entry["text_loss"] = lm.item()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            second_heads.before_step()
-            optimizer.step()
-            second_heads.after_step()
-            optimizer.zero_grad(set_to_none=True)
-            cpu_seconds += time.process_time() - started
-            entry["cpu_minutes"] = cpu_seconds / 60
-            history["steps"].append(entry)
-            progress.set_postfix(answer_loss=f"{entry['answer_loss']:.3f}", cpu_min=f"{cpu_seconds / 60:.1f}")
-            out_of_budget = step + 1 < options.max_steps and cpu_seconds / 60 >= options.max_cpu_minutes
-            done = step + 1 == options.max_steps or out_of_budget
-            if done or (options.eval_every and (step + 1) % options.eval_every == 0):
-                record_probe(step + 1)
-            if done:
-                break
+        trainer.train(resume_from_checkpoint=checkpoint)
     finally:  # frozen for this training only, also when it stops with an error
+        # accelerate wraps the forward in autocast for mixed precision: give the model its own forward back
+        trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
         model.eval()
         for param in frozen:
             param.requires_grad_(True)
-    history["cpu_minutes"] = cpu_seconds / 60
-    history["stopped_by_budget"] = out_of_budget
-    if out_of_budget:  # the schedule decays to 0 at max_steps: stopped early, training ended at a high rate
+        if scratch is not None:
+            scratch.cleanup()
+    history["train_minutes"] = monitor.seconds / 60
+    history["stopped_by_budget"] = monitor.out_of_budget
+    if monitor.out_of_budget:  # the schedule decays to 0 at max_steps: stopped early, training ended at a high rate
         steps = len(history["steps"])
         warnings.warn(
-            f"{name}: the CPU budget ({options.max_cpu_minutes:g} minutes) ran out after {steps} of "
-            f"{options.max_steps} steps, with the learning rate at {factor:.0%} of its peak (it decays to 0 at "
-            f"max_steps). For a complete schedule, set max_steps to what fits the budget, about {steps} here.",
+            f"{name}: the time budget ({budget_seconds(options):g} seconds of training) ran out after {steps} of "
+            f"{options.max_steps} steps, with the learning rate at {monitor.factor:.0%} of its peak (it decays to 0 "
+            f"at max_steps). For a complete schedule, set max_steps to what fits the budget, about {steps} here.",
             stacklevel=2)
-    if output is not None:
+    if output is not None and trainer.is_world_process_zero():
         write_history(history, output)
     return history
 
@@ -390,8 +628,13 @@ def _smooth(values, window: int = 20):
     return out
 
 
+def _minutes(entry: dict) -> float:
+    return entry["train_minutes"] if "train_minutes" in entry else entry["cpu_minutes"]
+
+
 def plot_curves(histories: list[dict], output: str | Path) -> Path:
-    """PNG: probe retrieval accuracy, attention shares and perplexity, and the answer loss, against CPU-minutes."""
+    """PNG: probe retrieval accuracy, attention shares and perplexity, and the answer loss, against training
+    minutes (CPU-minutes in histories written before the budget was wall-clock time)."""
     from .plotting import pyplot, save_png
 
     plt = pyplot()
@@ -399,20 +642,20 @@ def plot_curves(histories: list[dict], output: str | Path) -> Path:
     for index, history in enumerate(histories):
         color, name = f"C{index}", history["name"]
         probes = history["probes"]
-        minutes = [p["cpu_minutes"] for p in probes]
+        minutes = [_minutes(p) for p in probes]
         axes[0].plot(minutes, [p["accuracy"] for p in probes], "o-", color=color, label=name)
         axes[1].plot(minutes, [p["answer_share"] for p in probes], "o-", color=color, label=f"{name}: answer")
         axes[1].plot(minutes, [p["noise_share"] for p in probes], "s--", color=color, label=f"{name}: noise")
         axes[2].plot(minutes, [p["perplexity"] for p in probes], "o-", color=color, label=name)
         steps = history["steps"]
         if steps:
-            axes[3].plot([s["cpu_minutes"] for s in steps], _smooth([s["answer_loss"] for s in steps]), color=color,
+            axes[3].plot([_minutes(s) for s in steps], _smooth([s["answer_loss"] for s in steps]), color=color,
                          label=name)
-    axes[0].set(xlabel="training CPU-minutes", ylabel="accuracy", title="held-out retrieval (probe)",
+    axes[0].set(xlabel="training minutes", ylabel="accuracy", title="held-out retrieval (probe)",
                 ylim=(-0.05, 1.05))
-    axes[1].set(xlabel="training CPU-minutes", ylabel="share of attention", title="attention: answer vs noise")
-    axes[2].set(xlabel="training CPU-minutes", ylabel="perplexity", title="held-out perplexity")
-    axes[3].set(xlabel="training CPU-minutes", ylabel="cross-entropy (20-step mean)", title="answer loss (training)")
+    axes[1].set(xlabel="training minutes", ylabel="share of attention", title="attention: answer vs noise")
+    axes[2].set(xlabel="training minutes", ylabel="perplexity", title="held-out perplexity")
+    axes[3].set(xlabel="training minutes", ylabel="cross-entropy (20-step mean)", title="answer loss (training)")
     axes[3].set_yscale("log")
     for ax in axes:
         ax.grid(alpha=0.3)
@@ -434,29 +677,35 @@ def release_gguf_quantizer(model) -> None:
 
 
 def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: str | None = None) -> int:
-    """`diff-llama adapt MODEL OUTPUT [options]` (declared in `diff_llama_cli`)."""
-    from .output_folder import check_new_output, new_output_folder
+    """`diff-llama adapt MODEL OUTPUT [options]` (declared in `diff_llama_cli`). Under `accelerate launch` every
+    process trains; the main one checks and writes OUTPUT."""
+    from .output_folder import check_new_output
     from .resolve import load_model, save_tokenizer
     from .retrieval import display_name
 
     output = Path(output)
-    check_new_output(output, fix="choose a new folder")
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    if main_process and not options.resume:  # --resume continues in the folder that holds the run's checkpoints
+        check_new_output(output, fix="choose a new folder, or pass --resume to continue the run it holds")
     check_options(options)
     model, tokenizer = load_model(model_name)
     release_gguf_quantizer(model)
     name = name or display_name(model_name)
-    with new_output_folder(output) as folder:
-        history = adapt(model, tokenizer, options, folder, name=name)
-        if options.save:
-            # Written to a temporary folder first, then moved: a crash never leaves a half-saved model behind.
-            partial = folder / ".partial"
-            model.save_pretrained(partial)
-            save_tokenizer(tokenizer, partial)
-            for path in partial.iterdir():
-                path.replace(folder / path.name)
-            partial.rmdir()
+    if main_process:
+        output.mkdir(parents=True, exist_ok=True)
+    history = adapt(model, tokenizer, options, output, name=name)
+    if not main_process:
+        return 0
+    if options.save:
+        # Written to a temporary folder first, then moved: a crash never leaves a half-saved model behind.
+        partial = output / ".partial"
+        model.save_pretrained(partial)
+        save_tokenizer(tokenizer, partial)
+        for path in partial.iterdir():
+            path.replace(output / path.name)
+        partial.rmdir()
     first, last, steps = history["probes"][0], history["probes"][-1], len(history["steps"])
-    print(f"{name}: {steps} step{'' if steps == 1 else 's'} in {history['cpu_minutes']:.1f} CPU-minutes; probe "
+    print(f"{name}: {steps} step{'' if steps == 1 else 's'} in {history['train_minutes']:.1f} training minutes; probe "
           f"accuracy {first['accuracy']:.0%} -> {last['accuracy']:.0%}, perplexity {first['perplexity']:.2f} -> "
           f"{last['perplexity']:.2f}")
     print(f"Wrote {output}")

@@ -216,9 +216,16 @@ class AdaptationOptions:
 
     # The defaults are the recipe documented as adapt's default (docs: adaptation and evaluation): examples up to 4K
     # tokens, long enough for the differential heads to matter, and few enough steps for a CPU.
-    max_steps: int = field(default=90, metadata={"help": "optimiser steps (one retrieval example each)"})
-    max_cpu_minutes: float = field(default=60.0, metadata={
-        "help": "stop earlier once the training steps have used this many CPU-minutes (evaluations excluded)"})
+    max_steps: int = field(default=90, metadata={"help": "optimiser steps (batch_size retrieval examples each)"})
+    max_seconds: float = field(default=3600.0, metadata={
+        "help": "stop earlier once the training steps have taken this many seconds of wall-clock time (probes and "
+        "checkpoints excluded), on whatever device they run"})
+    max_cpu_minutes: float | None = field(default=None, metadata={
+        "help": "deprecated: the budget is now wall-clock time, --max-seconds; this sets --max-seconds to 60 x it"})
+    batch_size: int | None = field(default=None, metadata={
+        "help": "retrieval examples per optimiser step, over all processes together (default: the number of "
+        "processes, 1 without accelerate launch); the same value trains on the same examples per step whatever the "
+        "number of processes"})
     learning_rate: float = field(default=3e-5, metadata={"help": "AdamW learning rate (peak)"})
     lambda_learning_rate: float = field(default=1e-2, metadata={"help": "version 1's λ vectors' learning rate"})
     differential_learning_rate: float = field(default=1e-3, metadata={
@@ -240,8 +247,11 @@ class AdaptationOptions:
     kl_weight: float = field(default=0.0, metadata={
         "help": "weight of KL(model before training || model) on the text blocks (0: off; costs one more forward)"})
     autocast: str = field(default="auto", metadata={
-        "help": "autocast dtype of the forward pass: auto (bfloat16 where the CPU has bf16 units, else none), "
-        "bfloat16, float16, or none (float32)"})
+        "help": "autocast dtype of the forward pass: auto (bfloat16 where the training device computes it in "
+        "hardware, else none), bfloat16, float16, or none (float32)"})
+    device: Literal["auto", "cpu"] = field(default="auto", metadata={
+        "help": "auto: the accelerator where there is one (under accelerate launch, each process's own), else the "
+        "CPU; cpu: the CPU even where there is an accelerator"})
     eval_every: int = field(default=45, metadata={"help": "steps between held-out probes (0: only at the end)"})
     eval_cases: int = field(default=2, metadata={"help": "probe cases per (N x R, depth) at each probe length"})
     eval_lengths: list[int] = field(default_factory=lambda: [2048], metadata={"help": "probe context lengths"})
@@ -252,6 +262,10 @@ class AdaptationOptions:
     threads: int = field(default=1, metadata={"help": "torch CPU threads (0: torch's default)"})
     seed: int = field(default=0, metadata={"help": "seed of the data order and the examples"})
     save: bool = field(default=True, metadata={"help": "save the trained model (and tokenizer) into OUTPUT"})
+    save_steps: int = field(default=0, metadata={
+        "help": "write a checkpoint-N folder into OUTPUT every this many steps, to --resume from (0: none)"})
+    resume: bool = field(default=False, metadata={
+        "help": "continue the run in OUTPUT from its last checkpoint-N, on the examples it had not reached yet"})
 
 
 @dataclass
