@@ -45,6 +45,41 @@ def test_lambda_vectors_keep_the_spec_names_on_disk(tmp_path):
     assert not any("differential_lambda" in k for k in saved)
 
 
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_saved_checkpoint_loads_lambda_through_plain_load_state_dict(tmp_path, version):
+    # The Trainer resumes (and accelerate loads) with a non-strict `load_state_dict` of the saved file, whose λ keys
+    # are the checkpoint names, not the in-memory ones.
+    trained = differential_model(version, dtype=torch.float32)
+    trained.save_pretrained(tmp_path)
+    fresh = tiny_model(torch.float32, seed=5, diff_version=version, num_attention_heads=6, num_key_value_heads=3,
+                       num_hidden_layers=3)
+    result = fresh.load_state_dict(load_file(tmp_path / "model.safetensors"), strict=False)
+    assert not result.unexpected_keys
+    assert all("lambda" not in key for key in result.missing_keys)
+    for name, param in trained.named_parameters():
+        if "lambda" in name:
+            assert torch.equal(fresh.get_parameter(name), param), name
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_trainer_resume_restores_the_checkpoints_lambda(tmp_path, tokenizer, version):
+    from transformers import Trainer, TrainingArguments
+
+    model = differential_model(version, dtype=torch.float32, vocab_size=len(tokenizer))
+    ids = tokenizer(SAMPLE_TEXT, return_tensors="pt").input_ids[:, :32]
+    data = [{"input_ids": ids[0], "labels": ids[0]}] * 4
+    arguments = dict(output_dir=str(tmp_path), per_device_train_batch_size=1, learning_rate=5e-2, save_steps=2,
+                     report_to=[], use_cpu=True, save_only_model=False, disable_tqdm=True)
+    Trainer(model=model, args=TrainingArguments(max_steps=2, **arguments), train_dataset=data).train()
+    saved = {name: param.detach().clone() for name, param in model.named_parameters() if "lambda" in name}
+    # A new process: the model as it was before training, resumed from the step-2 checkpoint with nothing to train.
+    resumed = differential_model(version, dtype=torch.float32, vocab_size=len(tokenizer))
+    Trainer(model=resumed, args=TrainingArguments(max_steps=2, **arguments), train_dataset=data).train(
+        resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    for name, value in saved.items():
+        assert torch.equal(resumed.get_parameter(name), value), name
+
 def _enable_activation_checkpointing(model):
     # transformers 5.24 renamed gradient_checkpointing_enable; the oldest supported version has only the old name.
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable

@@ -130,6 +130,18 @@ register_checkpoint_conversion_mapping(
 )
 
 
+def load_lambda_under_checkpoint_names(module, state_dict, prefix, *args) -> None:
+    """A `load_state_dict` pre-hook of the attention modules: λ tensors under their checkpoint names (what
+    `save_pretrained` writes) load into `differential_lambda`. `from_pretrained` renames them itself, but the Trainer
+    resumes a checkpoint, and accelerate or a user may load one, with a plain non-strict `load_state_dict`, which
+    would otherwise leave λ silently at its old values."""
+    checkpoint_names = {name for names in LAMBDA_CHECKPOINT_NAMES.values() for name in names}
+    for key in [key for key in state_dict if key.startswith(prefix)]:
+        name = key[len(prefix):]
+        if name.split(".", 1)[0] in checkpoint_names:
+            state_dict.setdefault(f"{prefix}differential_lambda.{name}", state_dict.pop(key))
+
+
 class DiffLlamaLambda(nn.Module):
     """λ of one layer: exp(λ_q1·λ_k1) - exp(λ_q2·λ_k2) + λ_init, from four learned vectors of length head_dim."""
 
@@ -231,6 +243,7 @@ class DiffLlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
 
         self.differential_lambda = DiffLlamaLambda(self.head_dim, layer_idx)
+        self.register_load_state_dict_pre_hook(load_lambda_under_checkpoint_names)
         # The paper's per-head normalisation over the 2d-wide output; it has no affine weight. Its epsilon is
         # rms_norm_eps unless the config sets head_norm_eps (converted LLaMAs do: see the converter).
         eps = config.head_norm_epsilon(layer_idx)
@@ -341,6 +354,7 @@ class DiffLlamaV2Attention(nn.Module):
             self.num_differential_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
         self.differential_lambda = DiffLlamaV2Lambda(config.hidden_size, self.num_differential_heads)
+        self.register_load_state_dict_pre_hook(load_lambda_under_checkpoint_names)
 
     @accepts_past_key_values
     def forward(
