@@ -235,7 +235,8 @@ def render(result: dict) -> str:
     for history in histories:
         for p in history["probes"]:
             divergence = p.get("pair_divergence")
-            curves.append(f"| {history['name']} | {p['step']} | {p['cpu_minutes']:.1f} | {p['accuracy']:.0%} | "
+            minutes = p.get("train_minutes", p.get("cpu_minutes"))  # runs before adapt's wall-clock budget
+            curves.append(f"| {history['name']} | {p['step']} | {minutes:.1f} | {p['accuracy']:.0%} | "
                           f"{p['answer_share']:.3f} | {p['noise_share']:.3f} | {p['perplexity']:.2f} | "
                           f"{'–' if divergence is None else f'{divergence:.2%}'} |")
     curves += ["", "Pair divergence: ‖second − first‖ / ‖first‖ over the query heads of each DIFF V2 pair, mean over "
