@@ -30,7 +30,7 @@ from model_benchmark import SHAPE, build  # noqa: E402
 
 
 def step_ops(model, batch):
-    ids = torch.randint(0, 32000, (batch, 128), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, model.config.vocab_size, (batch, 128), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = model(ids, use_cache=True)
         cache, token = out.cache, out.logits[:, -1:].argmax(-1)

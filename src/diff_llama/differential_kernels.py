@@ -67,19 +67,19 @@ def differential_decode_attention(
     """(A1 − λ·A2)·V_i for ONE query token, for every differential head i: (batch, 1, H/2, 2d) in λ's dtype.
 
     Decoding reads the whole cache for one token, so the cost is memory traffic and the number of ops. This reads
-    the keys once and the values once and copies nothing the size of the cache (two matmuls around a softmax), where
-    the generic path runs two backend calls on two copies of the values. `key`/`value` hold an even number G of heads, half
-    of the query heads on each half of them (what `DiffLlamaAttention` passes). Masks are those of the SDPA
-    interface: None, boolean (True = attend) or additive.
+    the keys once and the values once and copies nothing the size of the cache (two matmuls around a softmax, with
+    A1 − λ·A2 formed between them), where the generic path runs two backend calls on two copies of the values.
+    `key`/`value` hold an even number G of heads, half of the query heads on each half of them (what
+    `DiffLlamaAttention` passes). Masks are those of the SDPA interface: None, boolean (True = attend) or additive.
     """
     batch, num_heads, _, head_dim = query.shape
     kv_heads, key_len = key.shape[1], key.shape[2]
-    group = num_heads // kv_heads
+    group, half = num_heads // kv_heads, kv_heads // 2
     # 3-D views and bmm: matmul on 4-D tensors adds a dozen aten ops of expands and reshapes, and a decoding step
-    # pays for every op. Query heads of one key/value head are the rows: (batch * G, group, d).
-    rows = query.reshape(batch * kv_heads, group, head_dim)
-    rows = torch.add(rows, rows, alpha=scaling - 1)  # rows·scaling in one op (a Python multiplier costs five)
-    scores = torch.bmm(rows, key.reshape(batch * kv_heads, key_len, head_dim).transpose(1, 2))
+    # pays for every op. Query heads of one key/value head are the rows: (batch * G, group, d). baddbmm with beta=0
+    # applies the scaling inside the product, one op where scaling the queries first takes two.
+    scores = torch.baddbmm(_empty_like_scalar(query), query.reshape(batch * kv_heads, group, head_dim),
+                           key.reshape(batch * kv_heads, key_len, head_dim).transpose(1, 2), beta=0, alpha=scaling)
     if attention_mask is not None:
         view = scores.view(batch, kv_heads, group, key_len)
         if attention_mask.dtype == torch.bool:
@@ -89,22 +89,37 @@ def differential_decode_attention(
     softmax_dtype = _float32_or_wider(query.dtype)
     # softmax's dtype argument costs an op even when it changes nothing
     maps = torch.softmax(scores, -1) if scores.dtype == softmax_dtype else torch.softmax(scores, -1, dtype=softmax_dtype)
-    # Every value head must be read by the maps of both halves: next to each value head, stack the maps of the same
-    # position in both halves (map 1, then map 2), so that one bmm gives every (map, value half) product. One copy
-    # (in the value dtype) builds it for both value halves: (batch, value half, G/2, 2 maps, group, T).
-    by_position = maps.view(batch, 2, kv_heads // 2, group, key_len).transpose(1, 2)  # (batch, G/2, map, group, T)
-    both = maps.new_empty(batch, 2, kv_heads // 2, 2, group, key_len, dtype=value.dtype)
-    both.copy_(by_position.unsqueeze(1))
-    products = torch.bmm(both.view(batch * kv_heads, 2 * group, key_len),
+    # A1 − λ·A2 first, as the blocked kernel does: the first half of the query heads reads the first half of the key
+    # heads, so map 1 of differential head (G/2 position p, group row r) sits at [:, 0, p, r], map 2 at [:, 1, p, r].
+    first, second = maps.view(batch, 2, half * group, key_len).unbind(1)
+    differential = torch.addcmul(first, second, lambda_full, value=-1)  # a 0-d λ keeps the maps' dtype
+    if differential.dtype != value.dtype:
+        differential = differential.to(value.dtype)  # bf16/fp16: the product on the low-precision units
+    # Differential head (p, r) reads value heads p and p + G/2: the differential maps twice over, one copy per value
+    # half, meet every value head in one bmm: (batch, value half, G/2, group, d). The copy is of the maps, not of the
+    # cached values.
+    products = torch.bmm(torch.cat((differential, differential), 1).view(batch * kv_heads, group, key_len),
                          value.reshape(batch * kv_heads, key_len, head_dim))
-    products = products.view(batch, 2, kv_heads // 2, 2, group, head_dim)
     if products.dtype != lambda_full.dtype:
         products = products.to(lambda_full.dtype)
-    # products[:, a, :, m] = A(map m)·V(half a): the differential map applied to value half a is m=0 − λ·(m=1).
-    differential = torch.addcmul(products[:, :, :, 0], products[:, :, :, 1], lambda_full, value=-1)
-    # (batch, value half, G/2, group, d) -> (batch, 1, H/2, 2d): differential head i = (G/2 position, group row). (An
-    # `out=` straight into that layout would save the copy, but torch.compile refuses a non-contiguous `out=`.)
-    return differential.permute(0, 2, 3, 1, 4).reshape(batch, 1, num_heads // 2, 2 * head_dim)
+    # (batch, value half, G/2, group, d) -> (batch, 1, H/2, 2d): differential head i = (G/2 position, group row).
+    return products.view(batch, 2, half, group, head_dim).permute(0, 2, 3, 1, 4).reshape(
+        batch, 1, num_heads // 2, 2 * head_dim)
+
+
+def _empty_like_scalar(like: torch.Tensor) -> torch.Tensor:
+    """The ignored `input` of baddbmm(beta=0), one element that broadcasts; cached per dtype and device, since
+    allocating it is an op of its own. (Not while compiling: a traced graph owns its constants.)"""
+    if torch.compiler.is_compiling():
+        return like.new_zeros(1, 1, 1)
+    key = (like.dtype, like.device)
+    scalar = _EMPTY_SCALARS.get(key)
+    if scalar is None:
+        scalar = _EMPTY_SCALARS[key] = torch.zeros(1, 1, 1, dtype=like.dtype, device=like.device)
+    return scalar
+
+
+_EMPTY_SCALARS: dict = {}
 
 
 def _pad_to_pairs(query, key, value):
@@ -495,6 +510,31 @@ def _step(query) -> str:
     return "train" if torch.is_grad_enabled() and query.requires_grad else "prefill"
 
 
+# (backend, device type, step, dtype) -> the names of the matching entries, in order; matched once per key rather
+# than once per layer and step, and matched afresh whenever the table is changed (compared with the copy it was
+# built from). Kernels are still looked up by name and asked whether they support each call.
+_MATCHING_KERNELS: dict = {}
+_MATCHED_TABLE: list = []
+
+
+def _matching_kernels(backend, device, step, dtype) -> tuple:
+    if _MATCHED_TABLE != DIFFERENTIAL_KERNEL_DISPATCH:
+        _MATCHING_KERNELS.clear()
+        _MATCHED_TABLE[:] = DIFFERENTIAL_KERNEL_DISPATCH
+    key = (backend, device, step, dtype)
+    names = _MATCHING_KERNELS.get(key)
+    if names is None:
+        names = _MATCHING_KERNELS[key] = tuple(
+            name
+            for rule_backend, rule_device, rule_step, rule_dtypes, name, _why in DIFFERENTIAL_KERNEL_DISPATCH
+            if rule_backend in ("*", backend)
+            and rule_device in ("*", device)
+            and rule_step in ("*", step)
+            and (rule_dtypes == "*" or dtype in rule_dtypes)
+        )
+    return names
+
+
 def select_differential_kernel(module, query, key, attention_mask) -> DifferentialKernel:
     """The kernel for this call: `config.differential_kernel` when set and it supports the call, else the first
     matching entry of `DIFFERENTIAL_KERNEL_DISPATCH` that supports it."""
@@ -503,15 +543,9 @@ def select_differential_kernel(module, query, key, attention_mask) -> Differenti
         kernel = ALL_DIFFERENTIAL_KERNELS.get_kernel(chosen)
         if kernel.supports(module, query, key, attention_mask):
             return kernel
-    backend, device, step = module.config._attn_implementation, query.device.type, _step(query)
-    for rule_backend, rule_device, rule_step, rule_dtypes, name, _why in DIFFERENTIAL_KERNEL_DISPATCH:
-        if (
-            rule_backend in ("*", backend)
-            and rule_device in ("*", device)
-            and rule_step in ("*", step)
-            and (rule_dtypes == "*" or query.dtype in rule_dtypes)
-        ):
-            kernel = ALL_DIFFERENTIAL_KERNELS.get_kernel(name)
-            if kernel.supports(module, query, key, attention_mask):
-                return kernel
+    names = _matching_kernels(module.config._attn_implementation, query.device.type, _step(query), query.dtype)
+    for name in names:
+        kernel = ALL_DIFFERENTIAL_KERNELS.get_kernel(name)
+        if kernel.supports(module, query, key, attention_mask):
+            return kernel
     return ALL_DIFFERENTIAL_KERNELS.get_kernel("generic")

@@ -287,8 +287,9 @@ class DiffLlamaAttention(nn.Module):
         attn_output = self.head_norm(attn_output)
         # x·(1 − λ_init) as x + (−λ_init)·x: one aten op, where multiplying by a Python number takes five.
         attn_output = torch.add(attn_output, attn_output, alpha=-self.differential_lambda.lambda_init)
-        attn_output = attn_output.to(hidden_states.dtype).reshape(*input_shape, -1)
-        attn_output = self.o_proj(attn_output)
+        if attn_output.dtype != hidden_states.dtype:  # a no-op .to() is still an aten op
+            attn_output = attn_output.to(hidden_states.dtype)
+        attn_output = self.o_proj(attn_output.reshape(*input_shape, -1))
         return attn_output, attn_weights
 
     def _lambda(self, cache: Cache | None) -> torch.Tensor:
