@@ -221,12 +221,15 @@ def test_adapt_says_when_the_time_budget_cuts_its_schedule_short(tmp_path, chat_
 
 
 def test_the_cpu_minutes_budget_still_sets_the_wall_clock_budget_with_a_warning(chat_tokenizer):
-    model = tiny_model(vocab_size=len(chat_tokenizer), max_position_embeddings=1024)
-    options = AdaptationOptions(max_steps=3, max_cpu_minutes=1e-9, eval_every=0, autocast="none", **SMALL)
-    with pytest.warns(FutureWarning, match="max_cpu_minutes is deprecated.*max_seconds"):
-        with pytest.warns(UserWarning, match="ran out after 1 of 3 steps"):
-            history = adapt(model, chat_tokenizer, options, name="tiny")
-    assert history["stopped_by_budget"]
+    from diff_llama.adaptation import budget_seconds
+
+    assert budget_seconds(AdaptationOptions(max_cpu_minutes=0.5, max_seconds=7)) == 30
+    assert budget_seconds(AdaptationOptions(max_seconds=7)) == 7
+    # adapt warns before anything else: an invalid option then stops it before any training or probe.
+    options = AdaptationOptions(max_cpu_minutes=0.5, save_steps=-1, **SMALL)
+    with pytest.warns(FutureWarning, match="max_cpu_minutes is deprecated.*max_seconds.*30 seconds"):
+        with pytest.raises(ValueError, match="save_steps"):
+            adapt(tiny_model(vocab_size=len(chat_tokenizer)), chat_tokenizer, options, name="tiny")
 
 
 def test_second_heads_of_diff_v2_pairs_take_their_own_learning_rate():

@@ -534,11 +534,11 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
 
     if options.threads > 0:
         torch.set_num_threads(options.threads)
-    check_options(options)
     if options.max_cpu_minutes is not None:
         warnings.warn(f"max_cpu_minutes is deprecated: the budget is now wall-clock time, max_seconds; "
                       f"max_cpu_minutes {options.max_cpu_minutes:g} sets it to {budget_seconds(options):g} seconds",
                       FutureWarning, stacklevel=2)
+    check_options(options)
     if options.resume and output is None:
         raise ValueError("resume needs the output folder that holds the run's checkpoint-N folders")
     checkpoint = resume_checkpoint(output, True) if options.resume else None
