@@ -1,11 +1,12 @@
 """What users get from `pip install .` or a wheel, not what an editable install shows: build the wheel, install it
-(not editable) into a fresh virtual environment, and use it there. The environment reuses this one's packages
-(`--system-site-packages`), so torch and transformers are not downloaded again; the test checks that diff_llama
+(not editable) into a fresh virtual environment, and use it there. The environment reuses this one's packages (a
+path file), so torch and transformers are not downloaded again; the test checks that diff_llama
 itself is imported from the wheel, not from this checkout."""
 
 import os
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import zipfile
 from pathlib import Path
@@ -31,8 +32,14 @@ def wheel_env(tmp_path_factory):
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(work / "dist"),
           str(ROOT)])
     (wheel,) = (work / "dist").glob("diff_llama-*.whl")
-    _run([sys.executable, "-m", "venv", "--system-site-packages", str(work / "venv")])
+    _run([sys.executable, "-m", "venv", str(work / "venv")])
     python = work / "venv" / "bin" / "python"
+    # This environment's packages (torch, transformers, ...) for the new one, whether this is the base interpreter or a
+    # virtual environment (`--system-site-packages` would only see the base interpreter's). A plain path line: the
+    # .pth files there, the checkout's editable install among them, are not run.
+    site_packages = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout
+    ours = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
+    (Path(site_packages.strip()) / "_test_parent_environment.pth").write_text("\n".join(sorted(ours)) + "\n")
     # --no-deps: every requirement is already there (system site packages); --force-reinstall: the checkout's own
     # editable install is visible too and must not count as "already installed".
     _run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)])
