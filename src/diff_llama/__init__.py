@@ -36,7 +36,7 @@ _AUTO_CLASSES = {
 }
 
 # exist_ok=True: transformers' built-in classes share our class names, and its mappings look configs up by name;
-# registering with exist_ok makes the lookup match our classes by identity first (see SPEC.md).
+# registering with exist_ok makes the lookup match our classes by identity first.
 AutoConfig.register(DiffLlamaConfig.model_type, DiffLlamaConfig, exist_ok=True)
 DiffLlamaConfig.register_for_auto_class()
 for _auto_class, _model_class in _AUTO_CLASSES.items():

