@@ -141,6 +141,7 @@ def _independent_allocation(model, case, differential):
     return {name: value / count for name, value in sums.items()}
 
 
+@pytest.mark.oldest_transformers  # the cache's name differs: adapt's probe once failed below 5.24
 @pytest.mark.parametrize("kind", ["diff_llama", "llama"])
 def test_allocation_matches_an_independent_computation(tokenizer, kind):
     case = make_case(tokenizer, 300, 0.5, 3, 2, seed="alloc")
@@ -165,6 +166,7 @@ def test_allocation_matches_an_independent_computation(tokenizer, kind):
     assert model.config._attn_implementation == "sdpa"  # restored after the eager step
 
 
+@pytest.mark.oldest_transformers
 def test_run_case_generates_what_generate_does(tokenizer):
     model = tiny_llama(len(tokenizer), seed=1)
     case = make_case(tokenizer, 150, 0.0, 1, 1, seed="gen")
