@@ -104,19 +104,27 @@ def _wait_for_server(port, process=None, seconds=120):
     raise AssertionError("the server did not answer /health in time")
 
 
-def test_serve_command_answers_like_generate(model_dir, tokenizer):
+def test_serve_command_answers_like_generate(model_dir, tokenizer, tmp_path):
+    import json
+    import urllib.request
+
     expected = _expected_answer(model_dir, tokenizer)
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    # A machine that never downloaded anything has no Hub cache folder: /v1/models must still answer.
+    env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               HF_HUB_CACHE=str(tmp_path / "no-hub-cache"))
     command = [sys.executable, "-m", "diff_llama.cli", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
                "--device", "cpu"]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_server(port, process)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as response:
+            listed = [entry["id"] for entry in json.loads(response.read())["data"]]
         whole, pieces = _ask(port, model_dir)
     finally:
         process.terminate()
         process.wait(timeout=30)
+    assert listed == [str(model_dir)]
     assert whole == expected
     assert len([p for p in pieces if p]) > 1 and "".join(pieces) == expected  # streamed in several pieces
 

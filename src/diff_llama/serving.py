@@ -87,6 +87,19 @@ def _model_manager_class(aliases=()):
             if self.force_model is not None:
                 self.force_model = ServedModelName(self.force_model, aliases)
 
+        def get_gen_models(self, cache_dir=None):
+            """`/v1/models` of the servers before 5.24 (later ones call `list_models`, which does the same): the
+            preloaded model alone, as requests name it. The older method scans the Hub cache and fails with a 500
+            where nothing was ever downloaded (no cache folder), and never lists a model loaded from a folder."""
+            if self.force_model is None:
+                from huggingface_hub.errors import CacheNotFound
+
+                try:
+                    return ModelManager.get_gen_models(cache_dir)
+                except CacheNotFound:
+                    return []
+            return [{"owned_by": "", "id": str(self.force_model), "object": "model", "created": 0}]
+
         def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
             from transformers import AutoConfig, AutoModelForCausalLM
 
