@@ -4,7 +4,8 @@ Each block runs in its own `sys.executable` subprocess (nothing imported beforeh
 `import diff_llama` fails here as it would for a user), from a scratch folder that holds what the docs say a reader
 has: the main job's output `outputs/SmolLM2-135M-Instruct-diff` (here a tiny DIFF V2 DiffLlama with a tokenizer).
 Blocks of one page run in order in one folder, so a block may use what an earlier block of its page wrote; pages run
-side by side.
+side by side. A block may write only under `outputs/`, which `.gitignore` ignores, so that running the docs
+leaves a reader's `git status` clean.
 
 Markers, on the lines just before a block's fence:
 - `<!-- docs-test: skip (reason) -->` skips it (it needs what a test cannot have: the real SmolLM2, a GPU, the
@@ -197,6 +198,7 @@ class PageRuns:
                 continue
             script = folder / f"block_{block.line}.py"
             script.write_text(block.code, encoding="utf-8")
+            before = files_outside_outputs(folder)
             try:
                 done = subprocess.run([sys.executable, script.name], cwd=folder, env=env, capture_output=True,
                                       text=True, timeout=BLOCK_TIMEOUT)
@@ -204,7 +206,18 @@ class PageRuns:
             except subprocess.TimeoutExpired:
                 results[block.line] = {"rc": "timeout", "output": f"still running after {BLOCK_TIMEOUT} s"}
             script.unlink()
+            results[block.line]["stray"] = sorted(files_outside_outputs(folder) - before)
         return results
+
+
+def files_outside_outputs(folder: Path) -> set[str]:
+    """What a reader's checkout would show in `git status`: `outputs/` is ignored, anything else is not."""
+    found = set()
+    for path in folder.rglob("*"):
+        relative = path.relative_to(folder)
+        if relative.parts[0] != "outputs" and not path.is_dir():
+            found.add(str(relative))
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -231,5 +244,6 @@ def test_documented_python_block_runs_in_a_fresh_python(block, page_runs, reques
     result = page_runs.result(block, pages)
     tail = result["output"][-3000:]
     assert result["rc"] == 0, f"{block.name} fails in a fresh Python (exit {result['rc']}):\n{tail}"
+    assert not result["stray"], f"{block.name} writes outside outputs/ (a reader's git status shows it): {result['stray']}"
     for text in block.expect:
         assert text in result["output"], f"{block.name} ran but did not print {text!r}:\n{tail}"

@@ -141,12 +141,19 @@ def encode_prompt(tokenizer, prompt: str, use_chat_template: bool = True):
     return tokenizer(prompt, return_tensors="pt")
 
 
-def answer_prompt(model_dir: str, prompt: str, max_new_tokens: int = 60) -> str:
-    """Greedy answer from a saved model, through its chat template when it has one."""
+def answer_prompt(model_dir: str, prompt: str, max_new_tokens: int = 256) -> str:
+    """Greedy answer from a saved model, through its chat template when it has one. An answer that reaches
+    `max_new_tokens` before the model ends it is marked as cut, so that a reader does not take it for the whole."""
     from .resolve import load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir)
     inputs = encode_prompt(tokenizer, prompt)
     output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+    new_tokens = output[0, inputs["input_ids"].shape[1] :]
+    answer = tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
+    ended = model.generation_config.eos_token_id
+    ended = {ended} if isinstance(ended, int) else set(ended or [])
+    if len(new_tokens) >= max_new_tokens and new_tokens[-1].item() not in ended:
+        answer += f" [... cut at {max_new_tokens} tokens]"
+    return answer

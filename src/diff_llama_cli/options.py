@@ -146,7 +146,7 @@ class AttentionMapOptions:
     layer: int = field(metadata={"help": "layer index, from 0"})
     head: int | None = field(default=None, metadata={"help": "differential head (or LLaMA head), from 0; default: all"})
     source: str | None = field(default=None, metadata={"help": "the source LLaMA, to draw its head next to them"})
-    output: str = field(default="attention-maps", metadata={"help": "folder for the PNGs"})
+    output: str = field(default="outputs/attention-maps", metadata={"help": "folder for the PNGs"})
     overwrite: bool = field(default=False, metadata={"help": "replace PNGs of this layer already in --output"})
 
 
