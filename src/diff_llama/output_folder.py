@@ -88,9 +88,11 @@ def _protected_place(path: Path) -> str | None:
         return "the working directory"
     if resolved in cwd.parents:
         return "the root folder" if resolved == Path(resolved.anchor) else "a folder above the working directory"
-    if resolved == Path.home().resolve():
-        return "your home folder"
-    return None
+    try:
+        home = Path.home().resolve()
+    except RuntimeError:  # no home folder known
+        home = None
+    return "your home folder" if resolved == home else None
 
 
 def replace_refusal(path: str | os.PathLike) -> str | None:
