@@ -100,7 +100,7 @@ def replace_refusal(path: str | os.PathLike) -> str | None:
     path = Path(path)
     place = _protected_place(path)
     if place is not None:
-        return f"{path} is {place}, which diff-llama never replaces; give a new folder, e.g. {path / 'out'}"
+        return f"{path} is {place}, which diff-llama never replaces; give a new folder for the output"
     if not path.is_dir():
         return None
     foreign = foreign_entries(path)
