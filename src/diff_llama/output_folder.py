@@ -150,10 +150,19 @@ def new_output_folder(path: str | os.PathLike, overwrite: bool = False, fix: str
                 write_marker(temporary, command, **marker_details)
             yield temporary
         return
+    created = not Path(path).exists()
     Path(path).mkdir(parents=True, exist_ok=True)
     if command is not None:
         write_marker(path, command, **marker_details)
-    yield Path(path)
+    try:
+        yield Path(path)
+    except BaseException:
+        # A run that failed before writing anything leaves the folder as it found it, so a rerun is not refused.
+        if [entry.name for entry in Path(path).iterdir()] == [MARKER]:
+            (Path(path) / MARKER).unlink()
+            if created:
+                Path(path).rmdir()
+        raise
 
 
 # ---- the hidden temporary folders of a replacement ----------------------------------------------------------------
