@@ -31,7 +31,7 @@ def main(argv):
     from diff_llama_cli import parse
 
     model, output, options, command = parse("adapt", argv)
-    return run_adapt(model, output, options, name=command.name)
+    return run_adapt(model, output, options, name=command.name, overwrite=command.overwrite)
 
 
 CHAT_TEMPLATE = (
@@ -293,8 +293,14 @@ def test_adapt_command_saves_a_model_that_reloads(tmp_path, chat_tokenizer, caps
                            AutoModelForCausalLM.from_pretrained(source).model.layers[0].self_attn.q_proj.weight)
     assert {"adapt.json", "adapt.png", "config.json", "model.safetensors"} <= {p.name for p in output.iterdir()}
     assert not (output / ".partial").exists()
-    with pytest.raises(FileExistsError, match="not empty"):
+    with pytest.raises(FileExistsError, match="not empty; choose a new folder, or pass --overwrite to replace it"):
         main([str(source), str(output), *flags])
+    # a finished run has no checkpoint to resume from: the error says so and offers --overwrite, which works
+    with pytest.raises(FileNotFoundError, match="no checkpoint-N folder .* or pass --overwrite to start over"):
+        main([str(source), str(output), *flags, "--resume"])
+    assert main([str(source), str(output), *flags, "--max-steps", "1", "--no-save", "--overwrite"]) == 0
+    assert {p.name for p in output.iterdir()} == {".diff-llama-output", "adapt.json", "adapt.png"}
+    assert len(json.loads((output / "adapt.json").read_text())["steps"]) == 1
 
 
 def test_adapt_command_checks_its_options_before_loading_a_model(tmp_path):

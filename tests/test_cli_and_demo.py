@@ -1,3 +1,4 @@
+import json
 import math
 import re
 import subprocess
@@ -250,12 +251,12 @@ def test_attention_maps_are_the_models_maps(tokenizer, diff_version):
 
 @pytest.mark.parametrize("command, fix", [
     (["evaluate", "{model}", "--output", "{out}", "--lengths", "64", "--settings", "1x1", "--depths", "50",
-      "--cases-per-depth", "1", "--perplexity-tokens", "0"], "--overwrite"),
+      "--cases-per-depth", "1", "--perplexity-tokens", "0"], "new folder"),
     (["train", "{model}", "--data", "{text}", "--output", "{out}", "--max-steps", "1"], "new folder"),
     (["recover", "{model}", "--output", "{out}", "--source", "{model}", "--max-steps", "1"], "new folder"),
     (["adapt", "{model}", "{out}", "--max-steps", "1"], "new folder"),
-    (["demo", "--output", "{out}", "--steps", "1"], "--overwrite"),
-    (["convert", "{model}", "{out}"], "--overwrite"),
+    (["demo", "--output", "{out}", "--steps", "1"], "new folder"),
+    (["convert", "{model}", "{out}"], "new folder"),
     (["export-builtin", "{model}", "{out}"], "new output folder"),
 ])
 def test_a_folder_with_files_is_refused_in_one_line_and_left_as_it_was(tmp_path, tokenizer, capsys, command, fix):
@@ -269,6 +270,7 @@ def test_a_folder_with_files_is_refused_in_one_line_and_left_as_it_was(tmp_path,
     argv = [a.format(model=model, out=out, text=tmp_path / "text.txt") for a in command]
     err = _fails_in_one_line(capsys, argv)
     assert str(out) in err and fix in err, err
+    assert "--overwrite" not in err  # it would not replace a folder holding the user's file
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
 
 
@@ -277,25 +279,28 @@ def test_attention_map_refuses_to_replace_its_maps_without_overwrite(tmp_path, t
     model.save_pretrained(tmp_path / "m")
     tokenizer.save_pretrained(tmp_path / "m")
     out = tmp_path / "maps"
-    out.mkdir()
-    (out / "layer0-head1.png").write_bytes(b"mine")
     argv = ["attention-map", str(tmp_path / "m"), "--text", "The quick brown fox", "--layer", "0", "--output", str(out)]
+    assert main(argv) == 0
+    first = (out / "layer0-head1.png").read_bytes()
     assert "--overwrite" in _fails_in_one_line(capsys, argv)
-    assert (out / "layer0-head1.png").read_bytes() == b"mine" and len(list(out.iterdir())) == 1
+    assert (out / "layer0-head1.png").read_bytes() == first and len(list(out.iterdir())) == 3  # 2 maps, the marker
     # another layer's maps may share the folder; --overwrite replaces this layer's
     assert main([*argv[:-3], "1", "--output", str(out)]) == 0
+    (out / "layer0-head1.png").write_bytes(b"stale")
     assert main([*argv, "--overwrite"]) == 0
-    assert (out / "layer0-head1.png").read_bytes()[:4] == b"\x89PNG" and len(list(out.iterdir())) == 4
+    assert (out / "layer0-head1.png").read_bytes()[:4] == b"\x89PNG" and len(list(out.iterdir())) == 5
 
 
 def test_evaluate_overwrite_replaces_the_old_report_whole(tmp_path, tokenizer, capsys):
     make_llama(tmp_path / "llama", tokenizer, num_attention_heads=2, num_key_value_heads=1, hidden_size=16)
     out = tmp_path / "evaluation"
-    out.mkdir()
-    (out / "retrieval.json").write_text("{}")
-    (out / "keep.txt").write_text("old")
     argv = ["evaluate", str(tmp_path / "llama"), "--output", str(out), "--lengths", "160", "--settings", "1x1",
             "--depths", "50", "--cases-per-depth", "1", "--perplexity-tokens", "0", "--max-new-tokens", "2"]
-    assert main([*argv, "--overwrite"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["cases.jsonl", "retrieval.json", "retrieval.md", "retrieval.png"]
+    assert main(argv) == 0
+    (out / "retrieval.md").write_text("old")
+    assert main([*argv, "--overwrite", "--max-new-tokens", "3"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [".diff-llama-output", "cases.jsonl", "retrieval.json",
+                                                     "retrieval.md", "retrieval.png"]
+    assert (out / "retrieval.md").read_text() != "old" and len((out / "cases.jsonl").read_text().splitlines()) == 1
+    assert json.loads((out / "retrieval.json").read_text())["options"]["max_new_tokens"] == 3
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left behind

@@ -229,14 +229,16 @@ def test_odd_heads_with_padding_disabled(tmp_path, llama_dir):
 
 def test_existing_output_is_refused_unless_overwrite(tmp_path, llama_dir):
     out = tmp_path / "diff"
-    out.mkdir()
-    (out / "keep.txt").write_text("precious")
-    with pytest.raises(ConversionError, match="--overwrite"):
-        convert_llama_to_diff_llama(str(llama_dir), str(out), progress=False)
-    assert (out / "keep.txt").read_text() == "precious"
-    convert_llama_to_diff_llama(str(llama_dir), str(out), ConversionOptions(diff_version=1, calibration="none", evaluate=False),
-                                overwrite=True, progress=False)
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+    fast = ConversionOptions(diff_version=1, calibration="none", evaluate=False)
+    convert_llama_to_diff_llama(str(llama_dir), str(out), ConversionOptions(evaluate=False), progress=False)
+    with pytest.raises(FileExistsError, match="pass --overwrite to replace it"):
+        convert_llama_to_diff_llama(str(llama_dir), str(out), fast, progress=False)
+    convert_llama_to_diff_llama(str(llama_dir), str(out), fast, overwrite=True, progress=False)  # an earlier conversion
+    assert json.loads((out / "config.json").read_text())["diff_version"] == 1
+    (out / "keep.txt").write_text("precious")  # ... but not with a file of the user's in it
+    with pytest.raises(FileExistsError, match=r"--overwrite refused: .* \(keep.txt\)"):
+        convert_llama_to_diff_llama(str(llama_dir), str(out), fast, overwrite=True, progress=False)
+    assert (out / "keep.txt").read_text() == "precious" and (out / "model.safetensors").exists()
 
 
 def test_cli_reports_errors_in_one_line(tmp_path, llama_dir, capsys):
@@ -245,7 +247,7 @@ def test_cli_reports_errors_in_one_line(tmp_path, llama_dir, capsys):
     assert err.count("\n") == 0 and err.endswith("nowhere: no such folder (and not a Hub repository id of the form owner/name).")
 
 
-def test_killed_conversion_leaves_no_output(tmp_path, tokenizer):
+def test_killed_conversion_leaves_no_output_and_the_rerun_cleans_up(tmp_path, tokenizer, capsys):
     src = make_llama(tmp_path / "llama", tokenizer, num_hidden_layers=12, hidden_size=144, intermediate_size=288)
     out = tmp_path / "diff"
     process = subprocess.Popen(
@@ -260,6 +262,11 @@ def test_killed_conversion_leaves_no_output(tmp_path, tokenizer):
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert not out.exists()
+    # the rerun removes the killed run's hidden folder, and says so
+    partial = next(tmp_path.glob(".diff.partial-*"))
+    assert main(["convert", str(src), str(out), "--no-evaluate"]) == 0
+    assert f"Removed {partial.name} from {tmp_path}" in capsys.readouterr().err
+    assert not list(tmp_path.glob(".diff.*")) and (out / "model.safetensors").exists()
 
 
 def test_hub_id_goes_through_snapshot_download(tmp_path, llama_dir, monkeypatch):

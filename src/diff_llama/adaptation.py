@@ -676,23 +676,46 @@ def release_gguf_quantizer(model) -> None:
         quantizer.remove_quantization_config(model)
 
 
-def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: str | None = None) -> int:
+def check_adapt_output(output: Path, options: AdaptationOptions, overwrite: bool = False) -> None:
+    """OUTPUT must be new or empty; or hold a run's checkpoints, with `resume`; or, with `overwrite`, be a folder of
+    an earlier run that holds nothing else. Each refusal names the fix that works for the folder as it is."""
+    from .output_folder import check_new_output, replace_refusal
+
+    if options.resume and overwrite:
+        raise ValueError("give --resume (continue the run in OUTPUT) or --overwrite (start it over), not both.")
+    checkpoints = output.is_dir() and any(output.glob("checkpoint-*"))
+    if options.resume and not checkpoints:
+        replaceable = output.is_dir() and replace_refusal(output) is None
+        start_over = ", or pass --overwrite to start over" if replaceable else ""
+        raise FileNotFoundError(f"--resume: {output} holds no checkpoint-N folder to continue from (the run finished, "
+                                f"or saved none: --save-steps); choose a new folder{start_over}.")
+    if not options.resume:
+        check_new_output(output, "pass --resume to continue the run it holds, or choose a new folder" if checkpoints
+                         else "choose a new folder", overwrite)
+
+
+def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: str | None = None,
+              overwrite: bool = False) -> int:
     """`diff-llama adapt MODEL OUTPUT [options]` (declared in `diff_llama_cli`). Under `accelerate launch` every
-    process trains; the main one checks and writes OUTPUT."""
-    from .output_folder import check_new_output
+    process trains; the main one checks and writes OUTPUT. With `overwrite`, the earlier run in OUTPUT is removed
+    once the model has loaded (the new one writes its checkpoints there, for --resume)."""
+    from .output_folder import clear_output, write_marker
     from .resolve import load_model, save_tokenizer
     from .retrieval import display_name
 
     output = Path(output)
     main_process = int(os.environ.get("RANK", "0")) == 0
-    if main_process and not options.resume:  # --resume continues in the folder that holds the run's checkpoints
-        check_new_output(output, fix="choose a new folder, or pass --resume to continue the run it holds")
+    if main_process:
+        check_adapt_output(output, options, overwrite)
     check_options(options)
     model, tokenizer = load_model(model_name)
     release_gguf_quantizer(model)
     name = name or display_name(model_name)
-    if main_process:
+    if main_process and not options.resume:
+        if overwrite and output.is_dir():
+            clear_output(output)
         output.mkdir(parents=True, exist_ok=True)
+        write_marker(output, "adapt")  # a later --overwrite may replace the folder
     history = adapt(model, tokenizer, options, output, name=name)
     if not main_process:
         return 0

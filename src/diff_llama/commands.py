@@ -55,6 +55,7 @@ def generate(model, prompt, options: o.GenerateOptions) -> int:
 
 def attention_map(model, options: o.AttentionMapOptions) -> int:
     from .attention_maps import attention_maps, plot_head
+    from .output_folder import holds_files, write_marker
     from .resolve import load_causal_lm, load_config, load_tokenizer
 
     config = load_config(model)  # layer and head are checked before any weight is read
@@ -66,12 +67,9 @@ def attention_map(model, options: o.AttentionMapOptions) -> int:
         raise ValueError(f"--head must be between 0 and {heads - 1} (this model has {heads} "
                          f"{'differential ' if differential else ''}heads).")
     selected = range(heads) if options.head is None else [options.head]
-    paths = [Path(options.output) / f"layer{options.layer}-head{head}.png" for head in selected]
-    # Maps of other layers or heads may share the folder; only the files this run would replace are refused.
-    existing = [path for path in paths if path.exists()]
-    if existing and not options.overwrite:
-        raise FileExistsError(f"{existing[0]} already exists; choose another --output, or pass --overwrite to replace "
-                              f"{'it' if len(existing) == 1 else f'these {len(existing)} maps'}.")
+    output = Path(options.output)
+    paths = [output / f"layer{options.layer}-head{head}.png" for head in selected]
+    check_map_folder(output, [path for path in paths if path.exists()], options.overwrite)
     tokenizer = load_tokenizer(model)
     lm = load_causal_lm(model, attn_implementation="eager")
     first, second, lam, differential, tokens = attention_maps(lm, tokenizer, options.text, options.layer)
@@ -79,6 +77,9 @@ def attention_map(model, options: o.AttentionMapOptions) -> int:
     if options.source:
         source = load_causal_lm(options.source, attn_implementation="eager")
         source_maps = attention_maps(source, tokenizer, options.text, options.layer)[0]
+    if not holds_files(output):  # a folder of maps alone: a later --overwrite may replace them
+        output.mkdir(parents=True, exist_ok=True)
+        write_marker(output, "attention-map")
     for head, path in zip(selected, paths):
         # Every conversion (both version-1 layouts and DIFF V2) makes LLaMA head i the first map of differential head i.
         source_head = source_maps[head] if source_maps is not None and head < source_maps.shape[0] else None
@@ -86,10 +87,26 @@ def attention_map(model, options: o.AttentionMapOptions) -> int:
     return 0
 
 
+def check_map_folder(output: Path, existing: list[Path], overwrite: bool) -> None:
+    """Maps of other layers or heads may share the folder: only the maps this run would replace are refused, and
+    `overwrite` replaces them only in a folder of maps that diff-llama wrote."""
+    from .output_folder import replace_refusal
+
+    if not existing:
+        return
+    refusal = replace_refusal(output)
+    if overwrite and refusal is not None:
+        raise FileExistsError(f"--overwrite refused: {refusal}.")
+    if not overwrite:
+        these = "it" if len(existing) == 1 else f"these {len(existing)} maps"
+        hint = f", or pass --overwrite to replace {these}" if refusal is None else ""
+        raise FileExistsError(f"{existing[0]} already exists; choose another --output{hint}.")
+
+
 def adapt(model, output, options, command_options: o.AdaptCommandOptions) -> int:
     from .adaptation import run_adapt
 
-    return run_adapt(model, output, options, name=command_options.name)
+    return run_adapt(model, output, options, name=command_options.name, overwrite=command_options.overwrite)
 
 
 def evaluate(models, options, command_options: o.EvaluateCommandOptions) -> int:
@@ -128,7 +145,7 @@ def demo(options: o.DemoOptions) -> int:
     from . import demo
     from .output_folder import new_output_folder
 
-    with new_output_folder(options.output, overwrite=options.overwrite) as folder:
+    with new_output_folder(options.output, overwrite=options.overwrite, command="demo") as folder:
         demo.run_demo(folder, steps=options.steps, final_dir=options.output)
     return 0
 

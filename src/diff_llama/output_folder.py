@@ -1,14 +1,46 @@
-"""Where a command writes: never among files already there.
+"""Where a command writes: never among files already there, and `--overwrite` replaces only what diff-llama wrote.
 
-Every command that writes a folder treats it as `convert` does: a new (or empty) folder is written in place, and one
-that holds files is refused in one line naming the fix, unless the command was asked to replace it (`--overwrite`).
-A replacement is written into a temporary folder beside the old one and swapped in only when complete
-(`conversion.writer.AtomicOutputFolder`), so a run that fails or is killed leaves the old contents as they were.
+Every command that writes a folder treats it alike: a new (or empty) folder is written in place, and one that holds
+files is refused in one line naming the fix. `--overwrite` replaces a folder only when this project wrote it and it
+holds nothing else (`replace_refusal`): it carries a sign of ours (the `MARKER` file the commands write, a
+`conversion_report.json`, or a `config.json` of model_type diff_llama) and every entry in it is a name the project
+writes (`PROJECT_FILES`). A user's file dropped into such a folder would be lost, so it is refused too, and so are the
+working directory, any folder above it, the home folder and `/`, whatever they hold.
+
+A replacement is written into a hidden temporary folder beside the old one and swapped in only when complete
+(`AtomicOutputFolder`), so a run that fails leaves the old contents as they were. A killed run leaves that hidden
+folder behind; the next run writing the same output removes it (`remove_stale_temporaries`) and says so.
 """
 
 import contextlib
+import fnmatch
+import json
 import os
+import re
+import shutil
+import socket
+import sys
+import tempfile
+import time
 from pathlib import Path
+
+# Written into every folder that evaluate, demo, attention-map and adapt create: the folder is ours to replace.
+MARKER = ".diff-llama-output"
+
+# Every name the commands write at the top of an output folder (model and tokenizer files, reports, plots, Trainer
+# checkpoints). A folder whose entries all match is one `--overwrite` may replace, when it also carries a sign of ours.
+PROJECT_FILES = (
+    MARKER, ".partial", "config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
+    "model.safetensors.index.json", "*_diff_llama.py", "differential_kernels.py", "README.md",
+    "conversion_report.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "chat_template.jinja", "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt",
+    "retrieval.json", "retrieval.md", "retrieval.png", "cases.jsonl", "layer*-head*.png",
+    "adapt.json", "adapt.png", "checkpoint-*",
+)
+
+# A hidden folder of a killed run whose owner cannot be asked (made on another machine, or by an older version that
+# did not name its process) counts as abandoned once nothing in it has changed for this long.
+STALE_AFTER_SECONDS = 3600
 
 
 def holds_files(path: str | os.PathLike) -> bool:
@@ -17,28 +49,225 @@ def holds_files(path: str | os.PathLike) -> bool:
     return path.is_file() or (path.is_dir() and any(path.iterdir()))
 
 
-def check_new_output(path: str | os.PathLike, fix: str = "choose a new folder, or pass --overwrite to replace it",
-                     overwrite: bool = False) -> None:
-    """Raise FileExistsError (one line: what is there and `fix`) unless `path` is new, an empty folder, or a folder
-    that `overwrite` allows to replace."""
+def read_marker(folder: str | os.PathLike) -> dict | None:
+    """What the marker of an earlier run in `folder` records (its command, and what evaluate needs to resume)."""
+    try:
+        return json.loads((Path(folder) / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_marker(folder: str | os.PathLike, command: str, **details) -> None:
+    (Path(folder) / MARKER).write_text(json.dumps({"written_by": f"diff-llama {command}", "command": command,
+                                                   **details}, indent=1) + "\n")
+
+
+def _carries_our_sign(folder: Path) -> bool:
+    if (folder / MARKER).is_file() or (folder / "conversion_report.json").is_file():
+        return True
+    try:
+        return json.loads((folder / "config.json").read_text()).get("model_type") == "diff_llama"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def foreign_entries(folder: str | os.PathLike) -> list[str]:
+    """The entries of `folder` that diff-llama did not write: all of them when it carries no sign of ours, else those
+    whose names no command writes. Folders are shown with a trailing /."""
+    folder = Path(folder)
+    entries = sorted(folder.iterdir())
+    ours = _carries_our_sign(folder)
+    return [entry.name + ("/" if entry.is_dir() else "") for entry in entries
+            if not (ours and any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in PROJECT_FILES))]
+
+
+def _protected_place(path: Path) -> str | None:
+    """What `path` is, when it is a folder no output may replace: the working directory, a folder above it, home."""
+    resolved, cwd = path.resolve(), Path.cwd().resolve()
+    if resolved == cwd:
+        return "the working directory"
+    if resolved in cwd.parents:
+        return "the root folder" if resolved == Path(resolved.anchor) else "a folder above the working directory"
+    try:
+        home = Path.home().resolve()
+    except RuntimeError:  # no home folder known
+        home = None
+    return "your home folder" if resolved == home else None
+
+
+def replace_refusal(path: str | os.PathLike) -> str | None:
+    """Why the folder `path` may not be replaced (one clause naming the fix), or None when it may."""
+    path = Path(path)
+    place = _protected_place(path)
+    if place is not None:
+        return f"{path} is {place}, which diff-llama never replaces; give a new folder for the output"
+    if not path.is_dir():
+        return None
+    foreign = foreign_entries(path)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        return (f"{path} holds files diff-llama did not write ({shown}), which --overwrite never replaces; choose a "
+                "new folder, or move them out")
+    return None
+
+
+def check_new_output(path: str | os.PathLike, fix: str = "choose a new folder", overwrite: bool = False, *,
+                     offers_overwrite: bool = True) -> None:
+    """Raise FileExistsError (one line: what is there and how to go on) unless `path` is new, an empty folder, or,
+    with `overwrite`, a folder diff-llama may replace. Without it, `fix` is the advice, followed by --overwrite for
+    a command that `offers_overwrite` where --overwrite would be allowed."""
     path = Path(path)
     if path.is_file():
         raise FileExistsError(f"{path} is a file; give a folder name that does not exist yet.")
-    if holds_files(path) and not overwrite:
-        raise FileExistsError(f"{path} is not empty; {fix}.")
+    if overwrite:
+        refusal = replace_refusal(path) if path.exists() else None
+        if refusal is not None:
+            raise FileExistsError(f"--overwrite refused: {refusal}.")
+    elif holds_files(path):
+        allowed = offers_overwrite and replace_refusal(path) is None
+        raise FileExistsError(f"{path} is not empty; {fix}{', or pass --overwrite to replace it' if allowed else ''}.")
+
+
+def clear_output(path: str | os.PathLike) -> None:
+    """Remove what an earlier run wrote into `path` (`--overwrite` of a command that must write in place), after
+    checking again that it holds nothing else."""
+    check_new_output(path, overwrite=True)
+    for entry in Path(path).iterdir():
+        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
 
 @contextlib.contextmanager
-def new_output_folder(path: str | os.PathLike, overwrite: bool = False,
-                      fix: str = "choose a new folder, or pass --overwrite to replace it"):
+def new_output_folder(path: str | os.PathLike, overwrite: bool = False, fix: str = "choose a new folder",
+                      command: str | None = None, **marker_details):
     """The folder to write `path`'s new contents into: `path` itself when it is new or empty; with `overwrite`, a
-    temporary sibling that replaces `path` when the block ends without an error (and is removed when it fails)."""
+    temporary sibling that replaces `path` when the block ends without an error (and is removed when it fails).
+    With `command`, the folder gets the marker that lets a later `--overwrite` replace it."""
+    remove_stale_temporaries(path)
     check_new_output(path, fix, overwrite)
     if holds_files(path):
-        from .conversion.writer import AtomicOutputFolder
-
         with AtomicOutputFolder(path, overwrite=True) as temporary:
+            if command is not None:
+                write_marker(temporary, command, **marker_details)
             yield temporary
         return
+    created = not Path(path).exists()
     Path(path).mkdir(parents=True, exist_ok=True)
-    yield Path(path)
+    if command is not None:
+        write_marker(path, command, **marker_details)
+    try:
+        yield Path(path)
+    except BaseException:
+        # A run that failed before writing anything leaves the folder as it found it, so a rerun is not refused.
+        if [entry.name for entry in Path(path).iterdir()] == [MARKER]:
+            (Path(path) / MARKER).unlink()
+            if created:
+                Path(path).rmdir()
+        raise
+
+
+# ---- the hidden temporary folders of a replacement ----------------------------------------------------------------
+
+
+def _temporary_prefix(output: Path, kind: str) -> str:
+    """`.NAME.partial-HOST-PID-` (or `.old-`): the name says whose it is, so a later run can tell a killed run's."""
+    return f".{output.name}.{kind}-{socket.gethostname()}-{os.getpid()}-"
+
+
+class AtomicOutputFolder:
+    """A temporary folder beside `output` that is renamed to `output` on success and removed on failure.
+
+    A killed process leaves at most a hidden `.NAME.partial-*` folder, never a half-written `output`; the next one
+    writing `output` removes it. `output` must be new or empty, or, with `overwrite`, a folder diff-llama may replace.
+    """
+
+    def __init__(self, output: str | os.PathLike, overwrite: bool = False):
+        remove_stale_temporaries(output)  # first: it may put back an output that an interrupted swap moved aside
+        check_new_output(output, overwrite=overwrite)
+        if Path(output).exists():  # even an empty folder is replaced: never the working directory or a folder above
+            refusal = replace_refusal(output)
+            if refusal is not None:
+                raise FileExistsError(f"{refusal}.")
+        self.output = Path(output).absolute()
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        self.path = None
+
+    def __enter__(self) -> Path:
+        self.path = Path(tempfile.mkdtemp(prefix=_temporary_prefix(self.output, "partial"), dir=self.output.parent))
+        return self.path
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            return False
+        _make_shareable(self.path)
+        if self.output.exists():
+            # --overwrite: move the old output aside first, so that a failure here still loses nothing.
+            trash = Path(tempfile.mkdtemp(prefix=_temporary_prefix(self.output, "old"), dir=self.output.parent))
+            os.replace(self.output, trash / "old")
+            os.replace(self.path, self.output)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(self.path, self.output)
+        return False
+
+
+def _make_shareable(folder: Path) -> None:
+    """mkdtemp makes a private (0700) folder; the finished output gets the usual permissions under the umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for file in folder.iterdir():
+        os.chmod(file, 0o666 & ~umask)
+
+
+def _is_abandoned(kind: str, name: str, folder: Path) -> bool:
+    """Whether `folder` is a temporary folder of ours (`kind` partial or old; `name` after the kind: HOST-PID-RANDOM,
+    or RANDOM from older versions) whose run is no longer running."""
+    entries = [entry.name for entry in folder.iterdir()]
+    if kind == "old" and entries != ["old"]:
+        return False
+    if kind == "partial" and not all(any(fnmatch.fnmatchcase(entry, pattern) for pattern in PROJECT_FILES)
+                                     for entry in entries):
+        return False  # holds something our runs do not write: not ours to remove
+    named = re.fullmatch(r"(?P<host>.+)-(?P<pid>\d+)-[a-z0-9_]{8}", name)
+    if named and named["host"] == socket.gethostname():
+        pid = int(named["pid"])
+        if pid == os.getpid():
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # another user's live process
+            return False
+        return False
+    if not named and not re.fullmatch(r"[a-z0-9_]{8}", name):
+        return False  # not a name our writer makes
+    newest = max([folder.lstat().st_mtime, *(p.lstat().st_mtime for p in folder.rglob("*"))])
+    return time.time() - newest > STALE_AFTER_SECONDS
+
+
+def remove_stale_temporaries(output: str | os.PathLike) -> None:
+    """Remove the hidden folders beside `output` that a killed run writing it left (`.NAME.partial-*`, and
+    `.NAME.old-*` holding the output an interrupted swap had moved aside, which goes back into place when `output` is
+    missing), and say so in one line on stderr."""
+    output = Path(output).absolute()
+    if not output.parent.is_dir():
+        return
+    pattern = re.compile(rf"\.{re.escape(output.name)}\.(?P<kind>partial|old)-(?P<owner>.+)")
+    removed, restored = [], None
+    for folder in sorted(output.parent.iterdir()):
+        found = pattern.fullmatch(folder.name)
+        if not (found and folder.is_dir() and not folder.is_symlink()
+                and _is_abandoned(found["kind"], found["owner"], folder)):
+            continue
+        if found["kind"] == "old" and (folder / "old").is_dir() and not output.exists():
+            os.replace(folder / "old", output)
+            restored = folder.name
+        shutil.rmtree(folder)
+        removed.append(folder.name)
+    if restored:
+        print(f"Restored {output} from {restored}, where an interrupted --overwrite had moved it.", file=sys.stderr)
+    if removed:
+        print(f"Removed {', '.join(removed)} from {output.parent}: left by an interrupted run writing {output.name}.",
+              file=sys.stderr)

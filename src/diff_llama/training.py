@@ -144,7 +144,8 @@ def resume_checkpoint(output_dir: str | Path, resume: bool) -> str | None:
             f"{output_dir} already holds training checkpoints; pass --resume to continue, or choose a new folder."
         )
     if last is None:
-        check_new_output(output_dir, fix="choose a new folder for --output (the run would be saved among its files)")
+        check_new_output(output_dir, fix="choose a new folder for --output (the run would be saved among its files)",
+                         offers_overwrite=False)
     return last
 
 

@@ -89,7 +89,8 @@ COMMANDS: dict[str, Command] = {
         "train a DiffLlama (or its source LLaMA, to compare) on long-context retrieval mixed with text",
         "adapt", (o.AdaptationOptions, o.AdaptCommandOptions),
         (("model", "model folder (LLaMA or DiffLlama), .gguf file or 'smollm2'", {"metavar": "MODEL"}),
-         ("output", "folder for the trained model and the curves (new or empty)", {"metavar": "OUTPUT"})),
+         ("output", "folder for the trained model and the curves (new or empty; --resume continues the run in it, "
+                    "--overwrite starts over)", {"metavar": "OUTPUT"})),
         "Train any causal LM (a DiffLlama or its source LLaMA, for a fair comparison) on synthetic multi-needle "
         "retrieval mixed with language modelling, with held-out probes of retrieval, attention allocation and "
         "perplexity along the way. Writes the model, adapt.json and adapt.png into OUTPUT.",

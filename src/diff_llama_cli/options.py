@@ -53,7 +53,8 @@ class ConversionOptions:
 
 @dataclass
 class ConvertCommandOptions:
-    overwrite: bool = field(default=False, metadata={"help": "replace OUTPUT if it exists"})
+    overwrite: bool = field(default=False, metadata={"help": (
+        "replace OUTPUT if an earlier diff-llama run wrote it and it holds nothing else")})
     prompt: str | None = field(default=None, metadata={"help": "after converting, answer this prompt with the model"})
 
 
@@ -147,7 +148,8 @@ class AttentionMapOptions:
     head: int | None = field(default=None, metadata={"help": "differential head (or LLaMA head), from 0; default: all"})
     source: str | None = field(default=None, metadata={"help": "the source LLaMA, to draw its head next to them"})
     output: str = field(default="outputs/attention-maps", metadata={"help": "folder for the PNGs"})
-    overwrite: bool = field(default=False, metadata={"help": "replace PNGs of this layer already in --output"})
+    overwrite: bool = field(default=False, metadata={"help": (
+        "replace PNGs of this layer already in --output (a folder of maps diff-llama wrote)")})
 
 
 @dataclass
@@ -162,7 +164,8 @@ class PushOptions:
 class DemoOptions:
     output: str = field(default="outputs/demo-model", metadata={"help": "folder for the saved model"})
     steps: int = field(default=300, metadata={"help": "training steps"})
-    overwrite: bool = field(default=False, metadata={"help": "replace --output if it holds files"})
+    overwrite: bool = field(default=False, metadata={"help": (
+        "replace --output if an earlier diff-llama run wrote it and it holds nothing else")})
 
 
 # ---- evaluate and adapt -------------------------------------------------------------------------------------------
@@ -173,7 +176,8 @@ class RetrievalArguments:
     """Options of `diff-llama evaluate` and of `retrieval.evaluate_models`."""
 
     output: str = field(default="outputs/evaluate", metadata={
-        "help": "folder for retrieval.json, retrieval.md, retrieval.png and cases.jsonl (new or empty)"})
+        "help": "folder for retrieval.json, retrieval.md, retrieval.png and cases.jsonl (new or empty, or one "
+        "holding an interrupted run with the same models and options, which the run resumes)"})
     names: list[str] | None = field(default=None, metadata={"help": "labels for the models in the tables"})
     lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096], metadata={
         "help": "context lengths in tokens (the whole prompt, chat template included)"})
@@ -207,7 +211,8 @@ class RetrievalArguments:
 @dataclass
 class EvaluateCommandOptions:
     overwrite: bool = field(default=False, metadata={
-        "help": "replace the contents of --output (written beside it first, swapped in when the run is done)"})
+        "help": "replace --output if an earlier diff-llama run wrote it and it holds nothing else (written beside "
+        "it first, swapped in when the run is done)"})
 
 
 @dataclass
@@ -271,6 +276,9 @@ class AdaptationOptions:
 @dataclass
 class AdaptCommandOptions:
     name: str | None = field(default=None, metadata={"help": "label in the curves (default: the model's folder name)"})
+    overwrite: bool = field(default=False, metadata={"help": (
+        "start over in OUTPUT, removing the earlier adapt run there once the model has loaded (only a folder "
+        "diff-llama wrote that holds nothing else)")})
 
 
 # ---- serve --------------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from .. import configuration_diff_llama
 from ..configuration_diff_llama import DiffLlamaConfig
 from ..corpus import CALIBRATION_MODULES, HELD_OUT_MODULES, stdlib_docstrings
 from ..modeling_diff_llama import LAMBDA_VECTOR_NAMES
+from ..output_folder import AtomicOutputFolder
 from .calibration import LayerwiseRunner
 from .diff_v2 import LAMBDA_PROJ
 from .errors import ConversionError
@@ -25,7 +26,7 @@ from ..resolve import clean_tokenizer_config, save_tokenizer
 from .head_layout import HeadLayout, expand_layout, split_layout
 from .source import FLOAT_DTYPES, TOKENIZER_FILES, LlamaSource, open_source, source_license
 from .versions import DiffV1Conversion, DiffV2Conversion, LayerOutput, VersionConversion
-from .writer import AtomicOutputFolder, StreamingSafetensorsWriter
+from .writer import StreamingSafetensorsWriter
 
 # The checkpoint's tensor schema, in one place: the tensors of one LLaMA decoder layer in the order the converter
 # writes them (shapes: `layer_shapes`), plus the λ vectors a converted layer adds. `checkpoint_schema` extends it to
@@ -238,7 +239,7 @@ def convert_llama_to_diff_llama(
     if options.diff_version not in (1, 2):
         raise ConversionError(f"unknown diff version {options.diff_version!r}; use 1 (the paper's) or 2 (DIFF V2).")
     check_version_options(options)
-    target = AtomicOutputFolder(output, overwrite=overwrite)  # refuses an existing output before any work
+    target = AtomicOutputFolder(output, overwrite=overwrite)  # refuses an output it may not replace before any work
 
     src = open_source(source)
     config = src.config

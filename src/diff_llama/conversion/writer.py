@@ -1,59 +1,15 @@
-"""Writing a checkpoint tensor by tensor into a temporary folder that becomes the output only when complete."""
+"""Writing a checkpoint tensor by tensor (into the temporary folder of `output_folder.AtomicOutputFolder`)."""
 
 import json
 import math
 import os
-import shutil
 import struct
-import tempfile
 from pathlib import Path
 
 import torch
 
 from .errors import ConversionError
 from .source import SAFETENSORS_DTYPES
-
-
-class AtomicOutputFolder:
-    """A temporary folder beside `output` that is renamed to `output` on success and removed on failure.
-
-    A killed process leaves at most a hidden `.NAME.partial-*` folder, never a half-written `output`.
-    """
-
-    def __init__(self, output: str | os.PathLike, overwrite: bool = False):
-        self.output = Path(output).absolute()
-        if self.output.exists() and not overwrite:
-            raise ConversionError(f"{self.output} already exists; choose another output or pass --overwrite.")
-        self.output.parent.mkdir(parents=True, exist_ok=True)
-        self.path = None
-
-    def __enter__(self) -> Path:
-        self.path = Path(tempfile.mkdtemp(prefix=f".{self.output.name}.partial-", dir=self.output.parent))
-        return self.path
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
-            shutil.rmtree(self.path, ignore_errors=True)
-            return False
-        _make_shareable(self.path)
-        if self.output.exists():
-            # --overwrite: move the old output aside first, so that a failure here still loses nothing.
-            trash = Path(tempfile.mkdtemp(prefix=f".{self.output.name}.old-", dir=self.output.parent))
-            os.replace(self.output, trash / "old")
-            os.replace(self.path, self.output)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(self.path, self.output)
-        return False
-
-
-def _make_shareable(folder: Path) -> None:
-    """mkdtemp makes a private (0700) folder; the finished output gets the usual permissions under the umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(folder, 0o777 & ~umask)
-    for file in folder.iterdir():
-        os.chmod(file, 0o666 & ~umask)
 
 
 class StreamingSafetensorsWriter:

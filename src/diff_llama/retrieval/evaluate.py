@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -24,28 +27,46 @@ def display_name(name: str) -> str:
     return Path(name.rstrip("/")).name or name
 
 
+# Options an interrupted evaluation may change when it resumes: they do not change what is scored or how.
+RESUMABLE_CHANGES = {"output", "threads"}
+
+
+def case_fields(case) -> dict:
+    """What identifies a case in its result (and in a line of cases.jsonl)."""
+    return {"length": case.length, "prompt_tokens": len(case.input_ids), "num_needles": case.num_needles,
+            "num_queries": case.num_queries, "depth": case.depth, "seed": case.seed, "expected": case.query_numbers,
+            "answer_positions": [min(case.answer_positions), max(case.answer_positions)]}
+
+
+def _kept_result(line: dict, case, name: str) -> dict:
+    """A result of an interrupted run, checked to be the one of `case` for model `name`."""
+    fields = json.loads(json.dumps(case_fields(case)))  # as read back from JSON
+    if line.get("model") != name or any(line.get(key) != value for key, value in fields.items()):
+        raise ValueError(f"cases.jsonl holds other results than this run's (at {name}, {case.seed}): the models or "
+                         "their tokenizers changed since it was interrupted; pass --overwrite to start over, or "
+                         "choose a new folder.")
+    return {key: value for key, value in line.items() if key != "model"}
+
+
 def evaluate_model(model, tokenizer, options: RetrievalArguments, name: str = "model",
-                   progress_file: str | Path | None = None) -> dict:
+                   progress_file: str | Path | None = None, scored: list[dict] = ()) -> dict:
     """Retrieval and allocation of one loaded model on the cases `options` describe, plus held-out perplexity.
-    With `progress_file`, every case's result is also appended to it as one JSON line as soon as it is known."""
+    With `progress_file`, every case's result is also appended to it as one JSON line as soon as it is known.
+    `scored`: lines of an interrupted run's progress file; the first ones are this model's first results, kept
+    instead of scored again."""
     cases = make_cases(tokenizer, options)
-    results = []
+    results = [_kept_result(line, case, name) for line, case in zip(scored, cases)]
     started = time.perf_counter()
-    for case in tqdm(cases, desc=f"evaluate {name}"):
+    for case in tqdm(cases[len(results):], desc=f"evaluate {name}", initial=len(results), total=len(cases)):
+        case_started = time.perf_counter()
         result = run_case(model, tokenizer, case, options.max_new_tokens, options.attention)
-        results.append({
-            "length": case.length, "prompt_tokens": len(case.input_ids), "num_needles": case.num_needles,
-            "num_queries": case.num_queries, "depth": case.depth, "seed": case.seed,
-            "expected": case.query_numbers, "answer_positions": [min(case.answer_positions),
-                                                                 max(case.answer_positions)],
-            **result,
-        })
+        results.append({**case_fields(case), **result, "seconds": round(time.perf_counter() - case_started, 3)})
         if progress_file is not None:
             with open(progress_file, "a") as handle:
                 handle.write(json.dumps({"model": name, **results[-1]}) + "\n")
+    seconds = time.perf_counter() - started + sum(r.get("seconds", 0.0) for r in results[:len(scored)])
     report = {"name": name, "model_type": model.config.model_type, "maps": map_kind(model),
-              "dtype": str(model.dtype).removeprefix("torch."), "seconds": round(time.perf_counter() - started, 1),
-              "cases": results}
+              "dtype": str(model.dtype).removeprefix("torch."), "seconds": round(seconds, 1), "cases": results}
     if options.perplexity_tokens > 0:
         from ..corpus import HELD_OUT_MODULES, stdlib_docstrings
         from ..evaluation import perplexity
@@ -56,11 +77,56 @@ def evaluate_model(model, tokenizer, options: RetrievalArguments, name: str = "m
     return report
 
 
+def _run_description(models: list[str], names: list[str], options: RetrievalArguments) -> dict:
+    """What an interrupted run must share with the rerun that resumes it (kept in the output folder's marker)."""
+    return {"models": [str(Path(m).resolve()) if Path(m).exists() else m for m in models], "names": list(names),
+            "options": {k: v for k, v in asdict(options).items() if k not in RESUMABLE_CHANGES}}
+
+
+def _read_progress(progress_file: Path) -> list[dict]:
+    """The complete lines of an interrupted run's cases.jsonl; a line cut short by the interruption (and anything
+    after it) is cut off the file, to be scored again."""
+    data = progress_file.read_bytes() if progress_file.exists() else b""
+    lines, end = [], 0
+    for raw in data.splitlines(keepends=True):
+        try:
+            if not raw.endswith(b"\n"):
+                raise ValueError("cut short")
+            lines.append(json.loads(raw))
+        except ValueError:
+            break
+        end += len(raw)
+    if end < len(data):
+        os.truncate(progress_file, end)
+    return lines
+
+
+def interrupted_run(output: Path, run: dict) -> list[dict] | None:
+    """The results so far of an interrupted evaluation in `output` with the same models and options (`run`), to
+    resume; None when `output` holds no interrupted evaluation. Refuses one with other models or options."""
+    from ..output_folder import read_marker
+
+    marker = read_marker(output) if output.is_dir() else None
+    if not marker or marker.get("command") != "evaluate" or (output / "retrieval.json").exists():
+        return None
+    earlier = marker.get("run", {})
+    pairs = [(earlier, run, ("models", "names")), (earlier.get("options", {}), run["options"], run["options"])]
+    differ = [f"{key} {then.get(key)!r}, not {now[key]!r}" for then, now, keys in pairs for key in keys
+              if then.get(key) != now[key]]
+    if differ:
+        raise ValueError(f"{output} holds an interrupted evaluation with other models or options "
+                         f"({'; '.join(differ)}); pass the same ones to resume it, --overwrite to start over, or "
+                         "choose a new folder.")
+    return _read_progress(output / "cases.jsonl")
+
+
 def evaluate_models(models: list[str], options: RetrievalArguments, overwrite: bool = False) -> dict:
     """Evaluate every model (folder, .gguf, Hub id or 'smollm2') in turn; write and return the report.
 
-    `options.output` must be new or empty (an earlier evaluation there would be lost), unless `overwrite`: then the
-    new report is written beside it and replaces it when complete."""
+    `options.output` must be new or empty (an earlier evaluation there would be lost), or hold an interrupted
+    evaluation of the same models with the same options, which this one resumes: the cases already in its
+    cases.jsonl are kept, not scored again. With `overwrite`, an earlier run's folder is replaced instead: the new
+    report is written beside it and replaces it when complete."""
     if options.threads > 0:
         torch.set_num_threads(options.threads)
     names = options.names or [display_name(m) for m in models]
@@ -72,15 +138,29 @@ def evaluate_models(models: list[str], options: RetrievalArguments, overwrite: b
         find_model(source, tokenizer=True)
     from ..output_folder import new_output_folder
 
+    output, run = Path(options.output), _run_description(models, names, options)
+    scored = None if overwrite else interrupted_run(output, run)
+    if scored is not None:
+        print(f"Resuming the interrupted evaluation in {output}: the {len(scored)} case(s) already scored in "
+              "cases.jsonl are kept, not scored again.", file=sys.stderr)
     report = {"options": asdict(options), "models": []}
-    with new_output_folder(options.output, overwrite=overwrite) as folder:
-        progress_file = folder / "cases.jsonl"  # results so far, for long runs
-        for source, name in zip(models, names):
-            model, tokenizer = load_model(source, options.dtype, options.device)
-            entry = evaluate_model(model, tokenizer, options, name, progress_file=progress_file)
-            entry["source"] = source
-            report["models"].append(entry)
-            del model
+    target = contextlib.nullcontext(output) if scored is not None else new_output_folder(
+        output, overwrite=overwrite, command="evaluate", run=run)
+    with target as folder:
+        progress_file = folder / "cases.jsonl"  # results so far: an interrupted run resumes from them
+        scored = scored or []
+        try:
+            for source, name in zip(models, names):
+                model, tokenizer = load_model(source, options.dtype, options.device)
+                entry = evaluate_model(model, tokenizer, options, name, progress_file=progress_file, scored=scored)
+                scored = scored[len(entry["cases"]):]
+                entry["source"] = source
+                report["models"].append(entry)
+                del model
+        except KeyboardInterrupt:
+            print(f"Interrupted: the cases scored so far are in {progress_file}; run the same command again to "
+                  "resume." if folder == output else f"Interrupted: {output} is left as it was.", file=sys.stderr)
+            raise
         write_report(report, folder)
     return report
 

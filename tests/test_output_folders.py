@@ -1,0 +1,205 @@
+"""Output folders: `--overwrite` replaces only what diff-llama wrote, never the working directory or home; a killed
+run's hidden folders are cleaned up by the next one; an interrupted evaluation resumes."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import folder_checksum, make_llama, tiny_model
+from diff_llama.cli import main
+from diff_llama.configuration_diff_llama import REMOTE_CODE_FILES
+from diff_llama.output_folder import MARKER, foreign_entries, remove_stale_temporaries, write_marker
+
+
+def _fails_in_one_line(capsys, argv, code=2) -> str:
+    """Run the command; it must exit with `code` and write exactly one line to stderr (no traceback)."""
+    capsys.readouterr()
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    return err
+
+
+@pytest.fixture
+def model_dir(tmp_path, tokenizer):
+    model = tmp_path / "model"
+    tiny_model(vocab_size=len(tokenizer), num_attention_heads=8, num_key_value_heads=2).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    return model
+
+
+def _users_files(folder, ours: bool):
+    """A user's files (one named like a map attention-map writes), in a folder of theirs or in one of ours."""
+    folder.mkdir()
+    if ours:
+        write_marker(folder, "evaluate")
+        (folder / "retrieval.json").write_text("{}")
+    (folder / "precious.txt").write_text("my thesis")
+    (folder / "layer0-head0.png").write_bytes(b"my picture")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "notes.txt").write_text("my notes")
+
+
+OVERWRITE_COMMANDS = {
+    "convert": ["convert", "{model}", "{out}"],
+    "evaluate": ["evaluate", "{model}", "--output", "{out}", "--lengths", "64", "--settings", "1x1", "--depths", "50",
+                 "--cases-per-depth", "1", "--perplexity-tokens", "0"],
+    "demo": ["demo", "--output", "{out}", "--steps", "1"],
+    "attention-map": ["attention-map", "{model}", "--text", "The quick brown fox", "--layer", "0", "--head", "0",
+                      "--output", "{out}"],
+    "adapt": ["adapt", "{model}", "{out}", "--max-steps", "1"],
+}
+
+
+@pytest.mark.parametrize("ours", [False, True], ids=["users-folder", "ours-with-a-users-file"])
+@pytest.mark.parametrize("command", OVERWRITE_COMMANDS)
+def test_overwrite_never_removes_a_users_file(tmp_path, model_dir, capsys, command, ours):
+    out = tmp_path / "out"
+    _users_files(out, ours)
+    before = folder_checksum(out)
+    argv = [a.format(model=model_dir, out=out) for a in OVERWRITE_COMMANDS[command]]
+    err = _fails_in_one_line(capsys, [*argv, "--overwrite"])
+    assert "--overwrite refused" in err and "precious.txt" in err and "sub/" in err and "choose a new folder" in err
+    assert folder_checksum(out) == before and (out / "sub" / "notes.txt").read_text() == "my notes"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder made
+    # without --overwrite the refusal does not offer it
+    assert "--overwrite" not in _fails_in_one_line(capsys, argv)
+
+
+@pytest.mark.parametrize("where, what", [(".", "the working directory"), ("..", "a folder above the working directory"),
+                                         ("{home}", "your home folder")])
+@pytest.mark.parametrize("command", ["convert", "evaluate"])
+def test_overwrite_refuses_the_working_directory_its_parents_and_home(tmp_path, model_dir, capsys, monkeypatch,
+                                                                      command, where, what):
+    work, home = tmp_path / "work", tmp_path / "home"
+    for folder in (work, home):
+        folder.mkdir()
+        write_marker(folder, "evaluate")  # even a folder that looks like ours
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HOME", str(home))
+    before = folder_checksum(tmp_path)
+    out = where.format(home=home)
+    argv = [a.format(model=model_dir, out=out) for a in OVERWRITE_COMMANDS[command]]
+    err = _fails_in_one_line(capsys, [*argv, "--overwrite"])
+    assert f"{out} is {what}, which diff-llama never replaces" in err
+    assert folder_checksum(tmp_path) == before
+
+
+def test_convert_into_an_empty_working_directory_is_refused(tmp_path, model_dir, capsys, monkeypatch):
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    assert "the working directory" in _fails_in_one_line(capsys, ["convert", str(model_dir), "."])
+    assert (tmp_path / "work").is_dir() and not any((tmp_path / "work").iterdir())
+
+
+def test_every_file_the_model_folders_hold_is_one_overwrite_may_replace(tmp_path, model_dir):
+    write_marker(model_dir, "demo")
+    for name in REMOTE_CODE_FILES:
+        (model_dir / name).write_text("")
+    assert foreign_entries(model_dir) == []
+
+
+# ---- a killed conversion's hidden folders ---------------------------------------------------------------------------
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", ""])
+    process.wait()
+    return process.pid
+
+
+def test_convert_removes_the_hidden_folders_of_a_killed_run_and_says_so(tmp_path, llama_dir, capsys):
+    host, dead = socket.gethostname(), _dead_pid()
+    killed = tmp_path / f".diff.partial-{host}-{dead}-abcd1234"
+    older = tmp_path / ".diff.partial-zz9_ab12"  # an older version's name: judged by its age
+    running = tmp_path / f".diff.partial-{host}-{os.getppid()}-efgh5678"  # a live process's
+    strange = tmp_path / f".diff.partial-{host}-{dead}-ijkl9012"  # holds something our runs never write
+    for folder in (killed, older, running, strange):
+        folder.mkdir()
+        (folder / "model-00001-of-00003.safetensors").write_bytes(b"half")
+    (strange / "notes.txt").write_text("mine")
+    long_ago = time.time() - 7200
+    for path in (older / "model-00001-of-00003.safetensors", older):
+        os.utime(path, (long_ago, long_ago))
+    capsys.readouterr()
+    assert main(["convert", str(llama_dir), str(tmp_path / "diff"), "--no-evaluate"]) == 0
+    err = capsys.readouterr().err
+    line = next(line for line in err.splitlines() if line.startswith("Removed"))
+    assert older.name in line and killed.name in line and running.name not in line and strange.name not in line
+    assert not killed.exists() and not older.exists() and running.exists() and (strange / "notes.txt").exists()
+    assert (tmp_path / "diff" / "model.safetensors").exists()
+
+
+def test_an_output_moved_aside_by_a_killed_swap_is_put_back(tmp_path, capsys):
+    aside = tmp_path / f".diff.old-{socket.gethostname()}-{_dead_pid()}-abcd1234"
+    (aside / "old").mkdir(parents=True)
+    (aside / "old" / "conversion_report.json").write_text("{}")
+    remove_stale_temporaries(tmp_path / "diff")
+    assert (tmp_path / "diff" / "conversion_report.json").read_text() == "{}" and not aside.exists()
+    assert "Restored" in capsys.readouterr().err
+
+
+# ---- an interrupted evaluation resumes ----------------------------------------------------------------------------
+
+
+def _evaluate_argv(llama, out, *extra):
+    return ["evaluate", str(llama), str(llama), "--names", "a", "b", "--output", str(out), "--lengths", "160",
+            "--settings", "1x1", "--depths", "0", "50", "100", "--cases-per-depth", "1", "--perplexity-tokens", "0",
+            "--max-new-tokens", "2", *extra]
+
+
+def _count_cases(monkeypatch, stop_at=None):
+    """Count the cases scored (the real run_case); with `stop_at`, press Ctrl-C as that case starts."""
+    from diff_llama.retrieval import evaluate
+
+    calls, real = [], evaluate.run_case
+
+    def run_case(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == stop_at:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "run_case", run_case)
+    return calls
+
+
+def _cases(report):
+    """Every case's result but its timing and its attention shares (which the number of threads may move a little)."""
+    return [[{k: v for k, v in case.items() if k not in ("seconds", "allocation")} for case in m["cases"]]
+            for m in report["models"]]
+
+
+def test_an_interrupted_evaluation_resumes_without_scoring_a_case_twice(tmp_path, tokenizer, capsys, monkeypatch):
+    llama = make_llama(tmp_path / "llama", tokenizer, num_attention_heads=2, num_key_value_heads=1, hidden_size=16)
+    out = tmp_path / "eval"
+    _count_cases(monkeypatch, stop_at=5)  # Ctrl-C in model b's second case
+    assert main(_evaluate_argv(llama, out)) == 130
+    assert "run the same command again to resume" in capsys.readouterr().err
+    assert not (out / "retrieval.json").exists() and len((out / "cases.jsonl").read_text().splitlines()) == 4
+    with open(out / "cases.jsonl", "a") as handle:  # a line cut short, as by a kill
+        handle.write('{"model": "b", "len')
+    # other options: refused in one line, nothing changed
+    before = folder_checksum(out)
+    err = _fails_in_one_line(capsys, _evaluate_argv(llama, out, "--seed", "1"))
+    assert "interrupted evaluation with other models or options (seed 0, not 1)" in err
+    assert folder_checksum(out) == before
+
+    calls = _count_cases(monkeypatch)
+    assert main(_evaluate_argv(llama, out, "--threads", "1")) == 0  # threads may change
+    assert "the 4 case(s) already scored in cases.jsonl are kept" in capsys.readouterr().err
+    assert len(calls) == 2
+    resumed = json.loads((out / "retrieval.json").read_text())
+    assert [json.loads(line)["model"] for line in (out / "cases.jsonl").read_text().splitlines()] == ["a"] * 3 + ["b"] * 3
+    assert main(_evaluate_argv(llama, tmp_path / "fresh")) == 0
+    assert _cases(resumed) == _cases(json.loads((tmp_path / "fresh" / "retrieval.json").read_text()))
+    # a finished evaluation is not resumed: it is replaced with --overwrite only
+    assert "pass --overwrite to replace it" in _fails_in_one_line(capsys, _evaluate_argv(llama, out))
+    assert main(_evaluate_argv(llama, out, "--overwrite")) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "cases.jsonl", "retrieval.json", "retrieval.md",
+                                                            "retrieval.png"])
