@@ -28,7 +28,11 @@ def main(argv=None) -> int:
         return 0
     if argv[0] == "render":
         for file in argv[1:]:
-            suite.render_file(file)
+            try:
+                suite.render_file(file)
+            except ValueError as error:
+                print(f"python -m bench render: {error}", file=sys.stderr)
+                return 2
         return 0
     name, options = argv[0], argv[1:]
     if name not in suite.BENCHMARKS:

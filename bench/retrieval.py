@@ -14,7 +14,7 @@ bench/results/retrieval.{json,md,png}. The runs behind bench/results (one thread
 
 The paired tests compare every model with the first (the source).
 
-An earlier float32 run at 4,096 tokens (bench/results/retrieval-4k/) used `--lengths 4096 --settings 1x1 4x2
+An earlier float32 run at 4,096 tokens (bench/results/retrieval-4k/, in git at ac5c561) used `--lengths 4096 --settings 1x1 4x2
 --perplexity_tokens 0` into outputs/eval4k-*, then `python -m bench retrieval --output bench/results/retrieval-4k ...`.
 
 Usage: python -m bench retrieval FOLDER_OR_JSON [FOLDER_OR_JSON ...]

@@ -4,7 +4,7 @@
 # against the source, and answer a prompt with the converted model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh main
+bash scripts/setup_env.sh .venv gguf
 export HF_HUB_OFFLINE=1
 .venv/bin/diff-llama convert smollm2 outputs/SmolLM2-135M-Instruct-diff --overwrite \
     --prompt "Explain in two sentences what an attention mechanism does in a language model." "$@"

@@ -3,7 +3,7 @@
 # By default the slow tests (the real SmolLM2-135M, a few minutes) are left out; `--slow` runs everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh test
+bash scripts/setup_env.sh .venv test
 export HF_HUB_OFFLINE=1
 marker=(-m "not slow")
 if [ "${1:-}" = "--slow" ]; then

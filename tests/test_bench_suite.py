@@ -16,7 +16,10 @@ sys.path.insert(0, str(BENCH))
 import suite  # noqa: E402
 
 NOT_BENCHMARKS = {"__init__", "__main__", "suite"}
-RETIRED = {"v2_fused_probe", "kernel_profile", "calibration_cost"}  # answered one-off probes; their results stay
+RETIRED = {"v2_fused_probe", "kernel_profile", "calibration_cost"}  # answered one-off probes, code and results in git
+RESULTS = BENCH / "results"
+# One current result per benchmark and machine; earlier ones live in git and the journals (bench/results/README.md).
+MAX_RESULT_FILES = 40
 
 
 def test_every_script_is_registered_with_a_description_and_defines_main_and_render():
@@ -34,10 +37,38 @@ def test_every_script_is_registered_with_a_description_and_defines_main_and_rend
         assert not re.search(r'(\.md"\)|"\.md"\)|results.*\.json"\))\.write_text', source), name
 
 
-def test_retired_probes_results_stay_in_the_results_index():
-    index = (BENCH / "results" / "README.md").read_text()
-    for results in ("v2_fused_probe-epyc.md", "calibration_cost.md", "attention_core-inductor-epyc.md"):
-        assert (BENCH / "results" / results).exists() and results in index
+def result_files() -> list[Path]:
+    return sorted(path for path in RESULTS.rglob("*") if path.is_file())
+
+
+def test_every_result_json_carries_the_metadata_block_the_suite_writes():
+    written_now = suite.metadata("model_benchmark")
+    jsons = [path for path in result_files() if path.suffix == ".json"]
+    assert jsons
+    for path in jsons:
+        result = json.loads(path.read_text())
+        meta = result.get("meta") if isinstance(result, dict) else None
+        assert isinstance(meta, dict), f"{path.name} has no meta block (see bench/suite.py)"
+        assert set(written_now) <= set(meta), f"{path.name} lacks {set(written_now) - set(meta)}"
+        assert set(written_now["machine"]) <= set(meta["machine"]), path.name
+        assert set(written_now["versions"]) <= set(meta["versions"]), path.name
+        assert meta["benchmark"] in suite.BENCHMARKS and meta["command"] and meta["date"].startswith("20"), path.name
+        assert meta["machine"]["cpu"] or meta["machine"]["gpu"], f"{path.name} names no machine"
+        if "recorded_afterwards" not in meta:  # written by the suite, which knows every version
+            assert all(meta["versions"][name] for name in ("torch", "transformers", "diff-llama")), path.name
+
+
+def test_bench_results_holds_a_few_indexed_results_and_no_logs():
+    files = result_files()
+    assert len(files) <= MAX_RESULT_FILES, (
+        f"bench/results holds {len(files)} files (at most {MAX_RESULT_FILES}): a new run replaces the result it "
+        "supersedes, which git keeps")
+    strays = [path.name for path in files if path.suffix not in {".json", ".md", ".png"}]
+    assert not strays, f"logs and scratch files go under outputs/, not bench/results: {strays}"
+    index = (RESULTS / "README.md").read_text()
+    unindexed = [path.relative_to(RESULTS).as_posix() for path in files if path.name != "README.md"
+                 and f"({path.relative_to(RESULTS).as_posix()})" not in index]
+    assert not unindexed, f"not in bench/results/README.md: {unindexed}"
 
 
 def test_list_names_every_benchmark_with_its_description():
@@ -122,3 +153,13 @@ def test_render_finds_the_benchmark_by_the_name_the_json_records(tmp_path):
 def test_unknown_benchmark_is_refused_by_name():
     with pytest.raises(KeyError, match="unknown benchmark 'nope'"):
         suite.module("nope")
+
+
+def test_render_refuses_a_result_older_than_the_suite_and_keeps_its_markdown(tmp_path):
+    for name in ("convert.json", "convert.md"):
+        (tmp_path / name).write_bytes((RESULTS / name).read_bytes())
+    out = subprocess.run([sys.executable, "-m", "bench", "render", str(tmp_path / "convert.json")], cwd=BENCH.parent,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "predates the suite's result format" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert (tmp_path / "convert.md").read_bytes() == (RESULTS / "convert.md").read_bytes()
