@@ -181,7 +181,7 @@ def test_reverse_loading_mapping(tmp_path, model_class, diff_version):
 
 @pytest.mark.parametrize("version, refused", [("4.57.1", True), ("5.16.0", True), ("5.0.0rc1", True),
                                               ("5.16.1", False), ("5.24.0", False), ("5.30.0.dev0", False),
-                                              ("6.0", False)])
+                                              ("6.0", False), ("unknown", False)])
 def test_remote_code_refuses_an_older_transformers_in_one_line(version, refused):
     from diff_llama.configuration_diff_llama import require_transformers
 

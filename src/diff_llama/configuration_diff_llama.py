@@ -15,10 +15,12 @@ MINIMUM_TRANSFORMERS = "5.16.1"
 def require_transformers(version: str = transformers.__version__) -> None:
     """Refuse, in one line, a transformers older than `MINIMUM_TRANSFORMERS`: as remote code on an older install, the
     imports below would otherwise fail with a traceback that names a missing class, never the version."""
-    def release(text):
-        return tuple(int(part or 0) for part in re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text).groups())
+    def release(text):  # "5.16.1.dev0" -> (5, 16, 1); None for a version string of another form
+        found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+        return tuple(int(part or 0) for part in found.groups()) if found else None
 
-    if release(version) < release(MINIMUM_TRANSFORMERS):
+    installed = release(version)
+    if installed is not None and installed < release(MINIMUM_TRANSFORMERS):
         raise ImportError(f"diff-llama's remote code needs transformers {MINIMUM_TRANSFORMERS} or newer; you have "
                           f"{version}: pip install -U 'transformers>={MINIMUM_TRANSFORMERS}'")
 

@@ -50,22 +50,22 @@ def _request_failure(endpoint: str, timeout: float) -> str | None:
     process: a command resolves its models several times."""
     from huggingface_hub import get_session
 
-    failures = []
+    outcome = []  # the failure, or None for an answer
 
     def ask():
         try:
             # huggingface_hub's own client: the proxy and certificate settings it would download with.
             get_session().head(endpoint, timeout=timeout, follow_redirects=False)
         except Exception as error:
-            failures.append(" ".join(f"{type(error).__name__}: {error}".split()))
+            outcome.append(" ".join(f"{type(error).__name__}: {error}".split()))
         else:
-            failures.append(None)
+            outcome.append(None)
 
     # In a thread joined with a deadline: resolving the host name has no timeout of its own.
     thread = threading.Thread(target=ask, daemon=True)
     thread.start()
     thread.join(timeout + 1)
-    return failures[0] if failures else f"no answer within {timeout:.0f} s"
+    return outcome[0] if outcome else f"no answer within {timeout:.0f} s"
 
 
 def use_cache_only(reason: str, repo_id: str) -> None:

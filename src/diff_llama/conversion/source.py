@@ -246,7 +246,9 @@ def _open_hub(repo_id: str, revision: str | None) -> LlamaSource:
         )
     except Exception as error:
         raise ConversionError(f"could not fetch {repo_id} from the Hub ({type(error).__name__}: {error}).") from None
-    return SafetensorsSource(Path(folder))
+    source = SafetensorsSource(Path(folder))
+    source.description = repo_id  # what the report and the model card name: the repository, not the cache folder
+    return source
 
 
 # Model-card metadata keys that state a licence (a Hub licence id, or `other` with a name and a link).
