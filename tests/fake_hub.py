@@ -76,3 +76,27 @@ class FakeHub:
                 return self._reply(404, {"error": f"fake hub: no route for POST {self.path}"})
 
         return Handler
+
+
+def cache_repo(cache_dir, repo_id: str, folder) -> None:
+    """Put the files of `folder` into the Hub cache at `cache_dir` as repository `repo_id` at revision main, in the
+    layout huggingface_hub downloads into (refs/main naming a snapshot folder): what a model downloaded earlier
+    leaves behind."""
+    import shutil
+    from pathlib import Path
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = Path(cache_dir) / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+
+
+def unreachable_endpoint() -> str:
+    """The address of a port nothing listens on: a Hub that refuses every connection at once."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"

@@ -177,3 +177,47 @@ def test_reverse_loading_mapping(tmp_path, model_class, diff_version):
     assert sorted(resaved) == sorted(saved)
     for name, tensor in saved.items():
         torch.testing.assert_close(resaved[name], tensor, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("version, refused", [("4.57.1", True), ("5.16.0", True), ("5.0.0rc1", True),
+                                              ("5.16.1", False), ("5.24.0", False), ("5.30.0.dev0", False),
+                                              ("6.0", False), ("unknown", False)])
+def test_remote_code_refuses_an_older_transformers_in_one_line(version, refused):
+    from diff_llama.configuration_diff_llama import require_transformers
+
+    if not refused:
+        require_transformers(version)
+        return
+    with pytest.raises(ImportError) as error:
+        require_transformers(version)
+    assert str(error.value) == (f"diff-llama's remote code needs transformers 5.16.1 or newer; you have {version}: "
+                                "pip install -U 'transformers>=5.16.1'")
+
+
+def test_the_version_check_runs_before_any_other_transformers_import(tmp_path):
+    """On transformers 4.57 the first import of a name it lacks (`PreTrainedConfig`) would fail with a traceback: in
+    the files a saved model ships, the version check comes first."""
+    import ast
+
+    folder = tmp_path / "model"
+    tiny_model().save_pretrained(folder)
+
+    def statements(name):
+        return ast.parse((folder / name).read_text()).body
+
+    def is_check(node):
+        return isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) \
+            and getattr(node.value.func, "id", None) == "require_transformers"
+
+    configuration = statements("configuration_diff_llama.py")
+    check = next(index for index, node in enumerate(configuration) if is_check(node))
+    for node in configuration[:check]:  # before it: the standard library and `import transformers` alone
+        if isinstance(node, ast.ImportFrom):
+            assert not node.module.startswith("transformers"), ast.unparse(node)
+        elif isinstance(node, ast.Import):
+            assert all(alias.name in ("re", "transformers") for alias in node.names), ast.unparse(node)
+    assert any(isinstance(node, ast.ImportFrom) and node.module == "transformers" for node in configuration[check:])
+    first_import = next(node for node in statements("modeling_diff_llama.py")
+                        if isinstance(node, (ast.Import, ast.ImportFrom)))
+    assert isinstance(first_import, ast.ImportFrom) and first_import.module == "configuration_diff_llama" \
+        and first_import.level == 1, ast.unparse(first_import)

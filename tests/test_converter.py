@@ -270,9 +270,13 @@ def test_killed_conversion_leaves_no_output_and_the_rerun_cleans_up(tmp_path, to
 
 
 def test_hub_id_goes_through_snapshot_download(tmp_path, llama_dir, monkeypatch):
-    """The Hub is unreachable here: snapshot_download is replaced by a fake that serves a local folder."""
+    """The Hub is unreachable here: snapshot_download is replaced by a fake that serves a local folder (and the
+    repository is in the cache, as offline mode requires)."""
     import huggingface_hub
+    from fake_hub import cache_repo
 
+    cache_repo(tmp_path / "hub-cache", "someone/tiny-llama", llama_dir)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
     calls = []
 
     def fake_snapshot_download(repo_id, revision=None, allow_patterns=None):
@@ -284,6 +288,10 @@ def test_hub_id_goes_through_snapshot_download(tmp_path, llama_dir, monkeypatch)
                                          ConversionOptions(diff_version=1, calibration="none", evaluate=False), progress=False)
     assert calls and calls[0][0] == "someone/tiny-llama" and "*.safetensors" in calls[0][2]
     assert report.num_attention_heads == 18
+    # the report and the card name the repository, not the cache folder it was read from
+    assert report.source == "someone/tiny-llama"
+    card = (tmp_path / "diff" / "README.md").read_text()
+    assert "base_model: someone/tiny-llama" in card and "the LLaMA [`someone/tiny-llama`](https://huggingface.co/" in card
 
 
 def test_quantized_dtype_is_refused(tmp_path, llama_dir):

@@ -2,6 +2,7 @@
 (tests/fake_hub.py) through the real huggingface_hub client."""
 
 import json
+import time
 
 import pytest
 from conftest import make_llama, tiny_model
@@ -113,3 +114,38 @@ def test_card_tells_the_truth_about_short_recovery_runs(converted, minutes, lamb
     for sentence in says:
         assert sentence in card
     assert "CPU minutes" not in card and "λ held at" not in card
+
+
+def test_push_to_an_unreachable_hub_is_one_line_and_creates_nothing(converted, online):
+    from fake_hub import unreachable_endpoint
+
+    from diff_llama.hub import HubUnreachableError
+
+    before = {p: p.read_bytes() for p in converted.rglob("*") if p.is_file()}
+    endpoint = unreachable_endpoint()
+    started = time.monotonic()
+    with pytest.raises(HubUnreachableError) as error:
+        push(converted, "alice/x", token="hf_fake", endpoint=endpoint)
+    assert time.monotonic() - started < 10
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"cannot push to alice/x: the Hugging Face Hub ({endpoint}) is "
+                                                      "not reachable (")
+    assert "nothing was uploaded" in message and "--dry-run" in message
+    assert {p: p.read_bytes() for p in converted.rglob("*") if p.is_file()} == before
+
+
+def test_push_command_without_network_is_one_line_with_exit_code_2(converted, online, capsys):
+    """This machine's real network (no route to the Hub): the error names the cause and the fix at once, instead of a
+    bare ConnectError with exit code 1."""
+    from diff_llama.hub import _request_failure, hub_endpoint
+
+    if _request_failure(hub_endpoint(), 3.0) is None:
+        pytest.skip("the Hub is reachable from here")
+    capsys.readouterr()
+    started = time.monotonic()
+    assert main(["push", str(converted), "alice/x", "--token", "hf_fake"]) == 2
+    assert time.monotonic() - started < 10
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("diff-llama push: error: cannot push to alice/x: the Hugging Face "
+                                                   f"Hub ({hub_endpoint()}) is not reachable"), err
+    assert "check the network connection" in err and "push --dry-run" in err

@@ -6,11 +6,14 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from conftest import tiny_model
+
+import diff_llama.resolve
 from diff_llama.cli import main
 from diff_llama.resolve import (
     AdapterFolderError,
@@ -124,3 +127,142 @@ def test_adapter_config_without_a_base_still_names_peft(tmp_path):
     (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
     with pytest.raises(AdapterFolderError, match="adapter_config.json names none"):
         load_causal_lm(folder)
+
+
+# ---- a Hub id on a machine without the Hub (issue 42) -----------------------------------------------------------
+
+TYPO = "outputs/SmolLM2-135M-Instruct-dif"  # shaped like a Hub id, and no such folder here
+
+
+@pytest.fixture
+def hub_at(monkeypatch, tmp_path):
+    """Online mode (the suite runs with HF_HUB_OFFLINE=1) against the Hub at a given address, with an empty cache."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # restored after a test that switched to the cache
+
+    def point_at(endpoint):
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
+        return endpoint
+
+    return point_at
+
+
+@pytest.mark.parametrize("command", [["generate", TYPO, "Hi"], ["attention-map", TYPO, "--text", "x", "--layer", "0"]])
+def test_a_hub_id_without_the_hub_fails_in_one_line_within_seconds(tmp_path, monkeypatch, capsys, hub_at, command):
+    from fake_hub import unreachable_endpoint
+
+    monkeypatch.chdir(tmp_path)  # no outputs/ folder here
+    endpoint = hub_at(unreachable_endpoint())
+    started = time.monotonic()
+    err = _fails_in_one_line(capsys, command)
+    assert time.monotonic() - started < 10
+    assert err.startswith(f"diff-llama {command[0]}: error: {TYPO}: no such local folder, and as a Hub repository id")
+    assert f"the Hugging Face Hub ({endpoint}) is not reachable" in err and "check the path" in err, err
+
+
+def test_a_hub_id_in_offline_mode_names_the_setting(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    err = _fails_in_one_line(capsys, ["generate", TYPO, "Hi"])  # the suite's HF_HUB_OFFLINE=1, an empty cache
+    assert "no such local folder" in err and "offline mode is on (HF_HUB_OFFLINE)" in err and "unset HF_HUB_OFFLINE" in err
+
+
+def test_a_cached_hub_model_loads_offline_when_the_hub_is_unreachable(tmp_path, capsys, caplog, hub_at, tokenizer):
+    """A model downloaded earlier answers at once from the cache instead of after a minute of retries per file."""
+    import huggingface_hub.constants
+    from fake_hub import cache_repo, unreachable_endpoint
+
+    folder = tmp_path / "model"
+    model = tiny_model(vocab_size=len(tokenizer))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    cache_repo(tmp_path / "hub-cache", "someone/tiny-diff", folder)
+    hub_at(unreachable_endpoint())
+    started = time.monotonic()
+    assert main(["generate", "someone/tiny-diff", "The quick", "--max-new-tokens", "4", "--raw"]) == 0
+    assert time.monotonic() - started < 10
+    assert capsys.readouterr().out.strip()
+    assert huggingface_hub.constants.HF_HUB_OFFLINE and os.environ["HF_HUB_OFFLINE"] == "1"
+    assert "is not reachable" in caplog.text and "loading someone/tiny-diff from the local cache, offline" in caplog.text
+
+
+def test_a_hub_that_never_answers_is_given_up_on_after_the_timeout():
+    import socket
+
+    from diff_llama.hub import hub_unavailable_reason
+
+    with socket.socket() as server:  # listens (the kernel completes connections) but never answers
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
+        import huggingface_hub.constants
+
+        offline, huggingface_hub.constants.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE, False
+        try:
+            started = time.monotonic()
+            reason = hub_unavailable_reason(endpoint, timeout=1)
+        finally:
+            huggingface_hub.constants.HF_HUB_OFFLINE = offline
+    assert time.monotonic() - started < 3
+    assert reason.startswith(f"the Hugging Face Hub ({endpoint}) is not reachable (") and "Timeout" in reason
+
+
+def test_generate_a_hub_id_in_a_fresh_process_without_network(tmp_path):
+    """Online mode in a fresh process, on this machine's real network (no route to the Hub): one line, exit code 2,
+    and within 10 s of the imports (torch and transformers alone take seconds on a loaded machine; the retries took
+    a minute)."""
+    from diff_llama.hub import _request_failure, hub_endpoint
+
+    if _request_failure(hub_endpoint(), 3.0) is None:
+        pytest.skip("the Hub is reachable from here")
+    script = ("import sys, time; import diff_llama.commands; from diff_llama_cli import main; started = time.monotonic(); "
+              "code = main(sys.argv[1:]); print(time.monotonic() - started); sys.exit(code)")
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "DIFF_LLAMA_TRACEBACK")}
+    env["HF_HUB_CACHE"] = str(tmp_path / "hub-cache")
+    env["PYTHONPATH"] = str(Path(diff_llama.resolve.__file__).parents[1])  # this source tree, from any folder
+    result = subprocess.run([sys.executable, "-c", script, "generate", TYPO, "Hello"], capture_output=True, text=True,
+                            env=env, cwd=tmp_path, stdin=subprocess.DEVNULL, timeout=300)
+    err = result.stderr.strip()
+    assert result.returncode == 2 and err.count("\n") == 0, err[-2000:]
+    assert err.startswith(f"diff-llama generate: error: {TYPO}: no such local folder") and "is not reachable" in err
+    assert float(result.stdout) < 10
+
+
+# ---- GGUF files that are not GGUF models ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content, says", [(b"", "is empty, so it is not a GGUF model"),
+                                           (b"PK\x03\x04 a zip file", "does not start with GGUF's magic bytes"),
+                                           (b"GGUF\x03\x00\x00\x00\x01", "cannot be read as a GGUF model")])
+def test_a_bad_gguf_file_is_named_with_the_fix(tmp_path, capsys, content, says):
+    pytest.importorskip("gguf")
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    for command in (["generate", str(path), "Hi"], ["convert", str(path), str(tmp_path / "out")]):
+        err = _fails_in_one_line(capsys, command)
+        assert str(path) in err and says in err and "download it again" in err, err
+    assert path.read_bytes() == content and not (tmp_path / "out").exists()
+
+
+# ---- recover names its model's problem first ---------------------------------------------------------------------
+
+
+def test_recover_names_a_missing_model_before_its_source(tmp_path, capsys):
+    err = _fails_in_one_line(capsys, ["recover", str(tmp_path / "MISSING"), "--output", str(tmp_path / "out")])
+    assert "MISSING: no such folder" in err and "--source" not in err, err
+
+
+def test_recover_names_a_recorded_source_that_moved(tmp_path, capsys, tokenizer):
+    from conftest import make_llama
+
+    from diff_llama.conversion.converter import ConversionOptions, convert_llama_to_diff_llama
+
+    source = make_llama(tmp_path / "llama", tokenizer, num_hidden_layers=1)
+    convert_llama_to_diff_llama(str(source), str(tmp_path / "diff"), ConversionOptions(evaluate=False), progress=False)
+    shutil.rmtree(source)
+    err = _fails_in_one_line(capsys, ["recover", str(tmp_path / "diff"), "--output", str(tmp_path / "out")])
+    assert f"{source}: no such folder" in err and "the source recorded in" in err and "pass --source" in err, err
+    assert not (tmp_path / "out").exists()

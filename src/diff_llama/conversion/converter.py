@@ -24,7 +24,7 @@ from .errors import ConversionError
 from ..model_card import write_model_card
 from ..resolve import clean_tokenizer_config, save_tokenizer
 from .head_layout import HeadLayout, expand_layout, split_layout
-from .source import FLOAT_DTYPES, TOKENIZER_FILES, LlamaSource, open_source, source_license
+from .source import FLOAT_DTYPES, TOKENIZER_FILES, LlamaSource, open_source, source_gguf_type, source_license
 from .versions import DiffV1Conversion, DiffV2Conversion, LayerOutput, VersionConversion
 from .writer import StreamingSafetensorsWriter
 
@@ -110,6 +110,7 @@ class ConversionReport:
     quality: dict = field(default_factory=dict)
     layers: list = field(default_factory=list)
     source_license: dict = field(default_factory=dict)  # model-card licence metadata of the source, when it states one
+    source_gguf_type: str | None = None  # a GGUF source's file type (Q4_1, F16, ...), for the model card
 
     def summary(self) -> str:
         how = (
@@ -330,6 +331,7 @@ def convert_llama_to_diff_llama(
             quality=quality,
             layers=layer_diagnostics,
             source_license=source_license(src),
+            source_gguf_type=source_gguf_type(src),
         )
         (folder / "conversion_report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
         write_model_card(folder, location=report.output)

@@ -1,6 +1,7 @@
 """Reading a LLaMA checkpoint tensor by tensor: a local Transformers folder (single or sharded safetensors),
 a `.gguf` file (through transformers' GGUF loader), or a Hub repository id (through huggingface_hub)."""
 
+import functools
 import json
 import os
 import re
@@ -200,10 +201,11 @@ def _check_llama(model_type, architectures, where: str):
 
 def open_source(source: str | os.PathLike, revision: str | None = None) -> LlamaSource:
     """Open a local folder, a local `.gguf` file, `smollm2`, or a Hub repository id (see `resolve_model`)."""
-    from ..resolve import ModelNotFoundError, resolve_model
+    from ..resolve import ModelNotFoundError, check_hub_model, resolve_model
 
     try:
         location = resolve_model(source)
+        check_hub_model(location, revision)
     except ModelNotFoundError as error:
         raise ConversionError(str(error)) from None
     if location.gguf_file:
@@ -216,12 +218,16 @@ def open_source(source: str | os.PathLike, revision: str | None = None) -> Llama
 def _open_gguf(path: Path) -> LlamaSource:
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    unreadable = f"{path} cannot be read as a GGUF model ({{}}); if it is truncated or corrupt, download it again."
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as error:
-        raise ConversionError(f"{path} cannot be read as GGUF ({error}).") from None
+        raise ConversionError(unreadable.format(error)) from None
     _check_llama(config.model_type, getattr(config, "architectures", None), str(path))
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except (OSError, ValueError, struct.error) as error:  # the header was read, the tensors are cut short
+        raise ConversionError(unreadable.format(error)) from None
     model.config.quantization_config = None
     del model.config.quantization_config
     return InMemorySource(model, str(path), path.parent)
@@ -240,7 +246,9 @@ def _open_hub(repo_id: str, revision: str | None) -> LlamaSource:
         )
     except Exception as error:
         raise ConversionError(f"could not fetch {repo_id} from the Hub ({type(error).__name__}: {error}).") from None
-    return SafetensorsSource(Path(folder))
+    source = SafetensorsSource(Path(folder))
+    source.description = repo_id  # what the report and the model card name: the repository, not the cache folder
+    return source
 
 
 # Model-card metadata keys that state a licence (a Hub licence id, or `other` with a name and a link).
@@ -260,6 +268,39 @@ def source_license(source: LlamaSource) -> dict:
     return {}
 
 
+def source_gguf_type(source: LlamaSource) -> str | None:
+    """The GGUF file type of a GGUF source (`Q4_1`, `Q8_0`, `F16`, ...: how its weights were stored before they were
+    dequantised to float32), or None for other sources or a file that does not say."""
+    if not source.description.endswith(".gguf"):
+        return None
+    value = _gguf_fields(Path(source.description)).get("general.file_type")
+    try:
+        from gguf import LlamaFileType
+
+        name = LlamaFileType(int(value)).name
+    except (ImportError, TypeError, ValueError):  # an older or unusual file: the card names the format only
+        return None
+    return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_metadata(path: Path, size: int, mtime: float) -> dict:
+    from gguf import GGUFReader
+
+    # Reading the metadata parses the whole vocabulary (seconds): once per file, for the licence and the type.
+    fields = GGUFReader(path).fields
+    return {key: fields[key].contents() for key in ("general.license", "general.file_type") if key in fields}
+
+
+def _gguf_fields(path: Path) -> dict:
+    """The `general.license` and `general.file_type` of a GGUF file; empty where it cannot be read."""
+    try:
+        stat = path.stat()
+        return _gguf_metadata(path, stat.st_size, stat.st_mtime)
+    except Exception:  # an unreadable or older-format file: what it would have said stays unknown
+        return {}
+
+
 def _card_license(readme: Path) -> dict:
     from huggingface_hub.repocard import metadata_load
 
@@ -274,13 +315,7 @@ def _card_license(readme: Path) -> dict:
 
 
 def _gguf_license(path: Path) -> dict:
-    try:
-        from gguf import GGUFReader
-
-        field = GGUFReader(path).fields.get("general.license")
-        value = field.contents() if field is not None else None
-    except Exception:  # an unreadable or older-format file: the licence stays unknown rather than failing the run
-        return {}
+    value = _gguf_fields(path).get("general.license")
     return _as_hub_license(value, {}) if isinstance(value, str) and value.strip() else {}
 
 
