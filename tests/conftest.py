@@ -1,3 +1,4 @@
+import copy
 import hashlib
 import os
 from pathlib import Path
@@ -137,6 +138,26 @@ def tokenizer(tmp_path_factory):
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     assert tok.pad_token_id == 0 and tok.bos_token_id == 1 and tok.eos_token_id == 2
     return tok
+
+
+# SmolLM2-135M-Instruct's chat template as its conversion ships it (chat_template.jinja): ChatML, with a default
+# system turn when the conversation has none.
+SMOLLM2_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chatml_tokenizer(tokenizer):
+    """The test tokenizer made to chat like SmolLM2-135M-Instruct's: its ChatML markers as special tokens (one id
+    each, as in SmolLM2) and its chat template."""
+    chat = copy.deepcopy(tokenizer)
+    chat.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    chat.chat_template = SMOLLM2_CHAT_TEMPLATE
+    return chat
 
 
 # Version 1 conversion options that keep calibration and evaluation short on the tiny checkpoints below.

@@ -2,7 +2,8 @@
 
 Each block runs in its own `sys.executable` subprocess (nothing imported beforehand, so a block that forgets
 `import diff_llama` fails here as it would for a user), from a scratch folder that holds what the docs say a reader
-has: the main job's output `outputs/SmolLM2-135M-Instruct-diff` (here a tiny DIFF V2 DiffLlama with a tokenizer).
+has: the main job's output `outputs/SmolLM2-135M-Instruct-diff` (here a tiny DIFF V2 DiffLlama with a tokenizer that
+has SmolLM2's chat template and ChatML tokens, as the real folder does).
 Blocks of one page run in order in one folder, so a block may use what an earlier block of its page wrote; pages run
 side by side. A block may write only under `outputs/`, which `.gitignore` ignores, so that running the docs
 leaves a reader's `git status` clean.
@@ -221,9 +222,10 @@ def files_outside_outputs(folder: Path) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def page_runs(tmp_path_factory, tokenizer):
+def page_runs(tmp_path_factory, chatml_tokenizer):
     base = tmp_path_factory.mktemp("docs")
     reader = base / "reader"  # what a reader has after `bash scripts/run_main_job.sh`
+    tokenizer = chatml_tokenizer  # the real folder chats: SmolLM2's template (TRL's conversational data needs one)
     model = tiny_model(vocab_size=len(tokenizer), diff_version=2)
     model.save_pretrained(reader / MODEL_FOLDER)
     tokenizer.save_pretrained(reader / MODEL_FOLDER)
