@@ -24,12 +24,22 @@ sample), and each model's ratio to llama's median (tokens/s: above 1 is faster; 
 or smaller). A ratio is "unreadable" when either side's spread exceeds the difference it claims (spread - 1 >
 |1 - ratio|), or when a side has a single sample.
 
-The time budget (`--max-seconds`): shapes share what is left equally; a figure starts only where its estimated
-cost fits before its shape's share ends (a first compilation: the longest seen so far, `--compile-estimate` before
-any), and the results are written after every round, so a run cut short keeps what it measured. A figure that fails
-(a compile error, out of memory) is recorded with its error, and the run goes on.
+The time budget (`--max-seconds`). The first shape takes all of it but 90 s for each later shape, which gets what
+is left. A compilation costs tens of seconds where a round of the other figures costs a few, so the first round
+measures the cheap figures first, then starts a compiled figure only where compiling llama and one more model still
+leaves the figures measured so far time for 3 rounds (a compilation is assumed to take as long as the longest seen
+so far; `--compile-estimate` before any), and each further model only where its own compilation fits; the models
+are compiled in the order llama, DIFF V2, version 1, so version 1 is the first left out. Later rounds measure a
+figure for all its models or none, fewest samples first, while their last round's time fits. Results are written
+after every round, so a run cut short keeps what it measured; a figure that fails (a compile error, out of memory)
+is recorded with its error, and the run goes on.
 
-Usage: python -m bench cuda_benchmark --output DIR [--name cuda] [--max-seconds S] [--rounds 7]
+Sizing (an estimate, before any GPU ran it): scripts/run_cuda_checks.sh leaves the benchmark about 6 of its 8
+minutes after the CUDA tests. At the 1B shape a round of the uncompiled figures should take some 20 s and a compiled
+one a few; at 30-45 s per compilation, its 6 compilations and 3 or more rounds fit in its share, and SmolLM2 gets
+its eager figures and what compilations the rest allows. The table's notes give what each compilation took.
+
+Usage: python -m bench cuda_benchmark --output DIR [--name cuda] [--max-seconds S] [--rounds 5]
                                       [--shapes llama-3.2-1b smollm2-135m] [--figures train prefill eager graphs]
        python -m bench cuda_benchmark --dry-run --output DIR   # the same code on the tiny shape: seconds on a CPU
 Writes NAME.json (with the suite's metadata) and NAME.md into DIR. scripts/run_cuda_checks.sh runs it after the CUDA
@@ -88,7 +98,9 @@ class Plan:
     prompt_tokens: int = 512
     warmup_steps: int = 4  # compiled: the first call compiles, the second records the CUDA graph, the rest replay it
     decode_steps: int = 64
-    rounds: int = 7
+    rounds: int = 5
+    min_rounds: int = 3  # rounds of the figures already measured that a first compilation must leave time for
+    later_shape_seconds: float = 90.0  # kept for each shape after the first (its eager figures, a few rounds)
     max_seconds: float | None = None
     compile_mode: str | None = "reduce-overhead"
     compile_backend: str = "inductor"
@@ -149,19 +161,19 @@ def forward_backward(model, batch):
 
 def measure_train(model, batch, device) -> dict:
     model.train()
-    forward_backward(model, batch)  # warm-up; the gradients stay allocated, so the peak below is the step's own
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-    seconds = elapsed_seconds(device, lambda: forward_backward(model, batch))
-    figures = {"train step (ms)": 1000 * seconds}
-    # No allocator statistics on the CPU: the figure is left empty there rather than measured another way.
-    figures["train peak memory (GiB)"] = (
-        (torch.cuda.max_memory_allocated(device) - before) / 2**30 if device.type == "cuda" else None)
-    model.zero_grad(set_to_none=True)
-    model.eval()
-    return figures
+    try:
+        forward_backward(model, batch)  # warm-up; the gradients stay allocated, so the peak below is the step's own
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+        seconds = elapsed_seconds(device, lambda: forward_backward(model, batch))
+        # No allocator statistics on the CPU: the figure is left empty there rather than measured another way.
+        peak = (torch.cuda.max_memory_allocated(device) - before) / 2**30 if device.type == "cuda" else None
+    finally:  # the decoding figures need the model as it was, even after an error here (out of memory)
+        model.zero_grad(set_to_none=True)
+        model.eval()
+    return {"train step (ms)": 1000 * seconds, "train peak memory (GiB)": peak}
 
 
 @torch.no_grad()
@@ -311,8 +323,7 @@ def take_sample(figure: Figure, name: str, record: dict, budget: Budget, device:
 
 def run_shape(shape_name: str, plan: Plan, budget: Budget, result: dict, save):
     """Every figure of every model at one shape into `result`, in interleaved rounds, until the rounds or the budget
-    run out; `save()` after every round. In the first round each model starts only where the budget allows its
-    sample (a compilation included), llama first; a later round runs a figure for all of its models or none."""
+    run out; `save()` after every round."""
     device = torch.device(plan.device)
     shape = SHAPES[shape_name]
     generator = torch.Generator().manual_seed(1)
@@ -326,26 +337,16 @@ def run_shape(shape_name: str, plan: Plan, budget: Budget, result: dict, save):
     models = {name: build(name, shape, plan) for name in plan.models}
     result.update(build_seconds=time.monotonic() - started, rounds=0, figures={})
     figures = figures_for(plan, models, inputs, device)
+    records = {figure.key: result["figures"].setdefault(figure.key, new_record()) for figure in figures}
     round_seconds = {}  # figure -> seconds of its last round, compilations and errors left out
     for round_index in range(plan.rounds):
-        for figure in figures:
-            record = result["figures"].setdefault(figure.key, new_record())
-            if round_index == 0:
-                names = figure.models
-            else:
-                names = [name for name in figure.models if name in record["samples"] and name not in record["errors"]]
-                if BASELINE not in names or not budget.allows(round_seconds[figure.key]):
-                    continue
-                names = names[round_index % len(names):] + names[:round_index % len(names)]
-            figure_started, not_measuring = time.monotonic(), 0.0
-            for name in names:
-                first_cost = budget.compile_estimate if figure.compiles else 0.0
-                if round_index == 0 and (not budget.allows(first_cost) or
-                                         (name != BASELINE and BASELINE not in record["samples"])):
-                    record["left_out"].append(name)
-                    continue
-                not_measuring += take_sample(figure, name, record, budget, device)
-            round_seconds[figure.key] = time.monotonic() - figure_started - not_measuring
+        if round_index == 0:
+            for figure in figures:
+                first_round(figure, records[figure.key], budget, round_seconds, plan, device)
+        else:
+            # Fewest samples first: where the budget runs out, it cuts the figures measured most.
+            for figure in sorted(figures, key=lambda figure: len(records[figure.key]["samples"].get(BASELINE, []))):
+                later_round(figure, records[figure.key], budget, round_seconds, round_index, device)
         result["rounds"] = round_index + 1
         print(f"{shape_name}: round {round_index + 1}/{plan.rounds}, {time.monotonic() - started:.0f} s", flush=True)
         save()
@@ -356,6 +357,34 @@ def run_shape(shape_name: str, plan: Plan, budget: Budget, result: dict, save):
     torch._dynamo.reset()  # the compiled steps hold the models
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def first_round(figure: Figure, record: dict, budget: Budget, round_seconds: dict, plan: Plan, device):
+    """Llama, then each model in turn. A compiled figure starts only where compiling llama and one more model still
+    leaves the figures measured so far time for `plan.min_rounds` rounds; each further model where its own
+    compilation does. Without llama's sample, the others' would have nothing to be compared with."""
+    reserve = (plan.min_rounds - 1) * sum(round_seconds.values()) if figure.compiles else 0.0
+    started, not_measuring = time.monotonic(), 0.0
+    for index, name in enumerate(figure.models):
+        compiling = budget.compile_estimate * (2 if index == 0 else 1) if figure.compiles else 0.0
+        if BASELINE not in record["samples"] and name != BASELINE or not budget.allows(compiling + reserve):
+            record["left_out"].append(name)
+            continue
+        not_measuring += take_sample(figure, name, record, budget, device)
+    round_seconds[figure.key] = time.monotonic() - started - not_measuring
+
+
+def later_round(figure: Figure, record: dict, budget: Budget, round_seconds: dict, round_index: int, device):
+    """All the models the first round measured, or none: a round of some models only would not be interleaved. The
+    order turns by one each round."""
+    names = [name for name in figure.models if name in record["samples"] and name not in record["errors"]]
+    if BASELINE not in names or len(names) < 2 or not budget.allows(round_seconds[figure.key]):
+        return
+    shift = round_index % len(names)
+    started, not_measuring = time.monotonic(), 0.0
+    for name in names[shift:] + names[:shift]:
+        not_measuring += take_sample(figure, name, record, budget, device)
+    round_seconds[figure.key] = time.monotonic() - started - not_measuring
 
 
 def allow_compilations(count: int):
@@ -557,9 +586,11 @@ def run(plan: Plan, folder: Path, name: str, started: float | None = None) -> di
     budget = Budget(None, plan.compile_estimate)
     for index, shape_name in enumerate(plan.shapes):
         left = None if plan.max_seconds is None else max(0.0, plan.max_seconds - (time.monotonic() - started))
-        # Shapes share what is left equally; the compile time learnt on one shape guides the next.
-        budget = Budget(None if left is None else left / (len(plan.shapes) - index), budget.compile_estimate,
-                        budget.compile_seen)
+        later = len(plan.shapes) - index - 1
+        # The first shape takes what the later ones leave it (what it does not use passes on to them); the compile
+        # time learnt on one shape guides the next.
+        share = None if left is None else max(left - later * plan.later_shape_seconds, left / (later + 1))
+        budget = Budget(share, budget.compile_estimate, budget.compile_seen)
         results["shapes"][shape_name] = {}
         run_shape(shape_name, plan, budget, results["shapes"][shape_name], save)
     results["seconds"] = time.monotonic() - started

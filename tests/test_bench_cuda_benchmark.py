@@ -93,10 +93,12 @@ def test_the_script_refuses_a_missing_or_cited_output_folder_in_one_line(tmp_pat
     assert sorted(results.iterdir()) == listing and list(tmp_path.iterdir()) == []
 
 
-def test_the_budget_leaves_out_what_would_not_fit_and_writes_what_was_measured(tmp_path):
-    # Room for the eager figures, not for a compilation assumed to take a day.
-    plan = cuda_benchmark.Plan.dry_run("cpu", figures=("eager", "graphs"), batches=(1,), max_seconds=300,
-                                       compile_estimate=86400)
+@pytest.mark.parametrize("too_long", [
+    dict(compile_estimate=86400),  # a compilation assumed to take a day
+    dict(min_rounds=10**6),  # a compilation must leave time for a million rounds of the eager figures
+])
+def test_the_budget_leaves_out_what_would_not_fit_and_writes_what_was_measured(tmp_path, too_long):
+    plan = cuda_benchmark.Plan.dry_run("cpu", figures=("eager", "graphs"), batches=(1,), max_seconds=300, **too_long)
     cuda_benchmark.run(plan, tmp_path, "budget")
     figures = json.loads((tmp_path / "budget.json").read_text())["shapes"]["tiny"]["figures"]
     assert set(figures["eager b1"]["samples"]) == set(cuda_benchmark.MODELS)
