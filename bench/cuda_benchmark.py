@@ -1,211 +1,601 @@
 """Speed and memory on a CUDA GPU, in ONE run: the LLaMA against its version 1 and DIFF V2 conversions (random weights
 of the real shapes; speed does not depend on the values), bf16, SDPA.
 
-Shapes: SmolLM2-135M (9 heads over 3 KV heads, 30 layers) and Llama-3.2-1B (32 over 8, 16 layers). The converted
-configs come from the converter itself (`make_layout`, `diff_config_for`): version 1 with the default expand layout
-(2x the attention width), DIFF V2 with twice the query heads over the LLaMA's KV heads. Models:
-- `llama`; `llama 2x heads` (V2's query heads in a plain LLaMA: the bound for V2's attention);
-- `diff-llama` (version 1, the automatic kernel choice), `diff-llama generic` and `diff-llama blocked` (version 1,
-  that kernel forced wherever it applies, decoding included);
-- `diff-llama v2`.
-Figures, each the median of interleaved repetitions (A, B, C, A, B, C, ...), CUDA synchronised around each:
-- one training step (forward + backward) at batch 1 x 4096, and its peak memory above the model and its gradients;
-- prefill of 4096 tokens (batch 1, logits of the last token);
-- greedy decoding, 64 tokens after a 512-token prompt (`--prompt-tokens`), dynamic cache, batch 1 and 16 (tokens/s).
+Shapes: Llama-3.2-1B (32 query heads over 8 KV heads, 16 layers) and SmolLM2-135M (9 over 3, 30 layers); `tiny` for
+the dry run. The converted configs come from the converter itself (`make_layout`, `diff_config_for`): version 1 with
+the default expand layout, DIFF V2 with twice the query heads over the LLaMA's KV heads. Models: `llama`;
+`llama 2x heads` (V2's query heads in a plain LLaMA: the bound for V2's attention); `diff-llama v2`; `diff-llama`
+(version 1, the automatic kernel choice).
 
-The table also gives each model's spread over the rounds (largest / smallest sample): on a shared host, one training
-step of a small model is mostly kernel launches from Python, and it varies by tens of percent from call to call; a
-ratio inside that spread is not a difference.
+Figures, in the order the first round measures them (what the time budget cuts is at the end):
+- `train`: one training step (forward + backward) at batch 1 x 4096, and its peak memory above the model and its
+  gradients;
+- `prefill`: 4096 tokens, batch 1, logits of the last token;
+- `eager`: decoding with a dynamic cache, eager, batch 1 and 16 (tokens/s);
+- `graphs`: decoding with a static cache and the step compiled with `torch.compile(mode="reduce-overhead",
+  fullgraph=True)`, so that CUDA graphs replay it; batch 1 and 16 (tokens/s).
+Decoding is timed per step, without `generate`: an untimed prefill of a 512-token prompt (`--prompt-tokens`), warm-up
+steps (they compile, and record the CUDA graph), then a fixed number of steps, greedy argmax fed back. Every time is
+taken with CUDA events around the region, after its own warm-up (on the CPU: the host clock, same code).
 
-Usage: python -m bench cuda_benchmark [--rounds 5] [--shapes smollm2-135m llama-3.2-1b] [--output DIR] [--name cuda]
-                                      [--figures train prefill decode] [--models MODEL ...]
-Writes NAME.json and NAME.md into DIR (default bench/results/cuda.{json,md}). On an H200, each round (and the warm-up
-round before them) takes about 95 s for the SmolLM2 shape and 90 s for the 1B one, decoding most of it. `--figures
-decode --models "diff-llama" "diff-llama generic"` (llama, the baseline, is always measured) times only the decoding
-kernels against each other, so many more rounds fit in the same time.
+Each round measures every figure of every model, models interleaved (A, B, C, D, then the next figure; the order
+turns by one each round). The table gives each figure's median over the rounds and its spread (largest / smallest
+sample), and each model's ratio to llama's median (tokens/s: above 1 is faster; time and memory: below 1 is faster
+or smaller). A ratio is "unreadable" when either side's spread exceeds the difference it claims (spread - 1 >
+|1 - ratio|), or when a side has a single sample.
+
+The time budget (`--max-seconds`). The first shape takes all of it but 90 s for each later shape, which gets what
+is left. A compilation costs tens of seconds where a round of the other figures costs a few, so the first round
+measures the cheap figures first, then starts a compiled figure only where compiling llama and one more model still
+leaves the figures measured so far time for 3 rounds (a compilation is assumed to take as long as the longest seen
+so far; `--compile-estimate` before any), and each further model only where its own compilation fits; the models
+are compiled in the order llama, DIFF V2, version 1, so version 1 is the first left out. Later rounds measure a
+figure for all its models or none, fewest samples first, while their last round's time fits. Results are written
+after every round, so a run cut short keeps what it measured; a figure that fails (a compile error, out of memory)
+is recorded with its error, and the run goes on.
+
+Sizing (an estimate, before any GPU ran it): scripts/run_cuda_checks.sh leaves the benchmark about 6 of its 8
+minutes after the CUDA tests. At the 1B shape a round of the uncompiled figures should take some 20 s and a compiled
+one a few; at 30-45 s per compilation, its 6 compilations and 3 or more rounds fit in its share, and SmolLM2 gets
+its eager figures and what compilations the rest allows. The table's notes give what each compilation took.
+
+Usage: python -m bench cuda_benchmark --output DIR [--name cuda] [--max-seconds S] [--rounds 5]
+                                      [--shapes llama-3.2-1b smollm2-135m] [--figures train prefill eager graphs]
+       python -m bench cuda_benchmark --dry-run --output DIR   # the same code on the tiny shape: seconds on a CPU
+Writes NAME.json (with the suite's metadata) and NAME.md into DIR. scripts/run_cuda_checks.sh runs it after the CUDA
+tests, with a budget that ends both within 8 minutes.
 """
 
 import argparse
-import platform
+import dataclasses
+import gc
 import shlex
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+STARTED = time.monotonic()  # before torch's import: the time budget counts it
 
-import suite
-from diff_llama import DiffLlamaForCausalLM
-from diff_llama.conversion.converter import ConversionOptions, diff_config_for, make_layout
+import torch  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache  # noqa: E402
+
+import suite  # noqa: E402
+from diff_llama import DiffLlamaForCausalLM  # noqa: E402
+from diff_llama.compat_diff_llama import CACHE_NAME  # noqa: E402
+from diff_llama.conversion.converter import ConversionOptions, diff_config_for, make_layout  # noqa: E402
 
 SHAPES = {
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
-                         tie_word_embeddings=True),
     "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
                          tie_word_embeddings=True),
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+                         tie_word_embeddings=True),
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True),
 }
-MODELS = ("llama", "llama 2x heads", "diff-llama", "diff-llama generic", "diff-llama blocked", "diff-llama v2")
-# Version 1 with one kernel forced wherever it applies; "diff-llama" itself runs the automatic choice.
-FORCED_KERNELS = {"diff-llama generic": "generic", "diff-llama blocked": "blocked"}
-RATIOS = (("diff-llama", "llama"), ("diff-llama generic", "llama"), ("diff-llama blocked", "llama"),
-          ("diff-llama v2", "llama"), ("diff-llama v2", "llama 2x heads"), ("diff-llama", "diff-llama generic"))
-FIGURE_KINDS = ("train", "prefill", "decode")
-TRAIN_TOKENS, PREFILL_TOKENS, PROMPT_TOKENS, NEW_TOKENS = 4096, 4096, 512, 64
+MODELS = ("llama", "llama 2x heads", "diff-llama v2", "diff-llama")
+BASELINE = "llama"
+FIGURE_KINDS = ("train", "prefill", "eager", "graphs")
 
 
-def build(name: str, shape: dict) -> torch.nn.Module:
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one run measures, and how long each measurement is."""
+
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    shapes: tuple = ("llama-3.2-1b", "smollm2-135m")
+    models: tuple = MODELS
+    graph_models: tuple = ("llama", "diff-llama v2", "diff-llama")  # each costs a compilation per batch
+    figures: tuple = FIGURE_KINDS
+    batches: tuple = (1, 16)
+    train_tokens: int = 4096
+    prefill_tokens: int = 4096
+    prompt_tokens: int = 512
+    warmup_steps: int = 4  # compiled: the first call compiles, the second records the CUDA graph, the rest replay it
+    decode_steps: int = 64
+    rounds: int = 5
+    min_rounds: int = 3  # rounds of the figures already measured that a first compilation must leave time for
+    later_shape_seconds: float = 90.0  # kept for each shape after the first (its eager figures, a few rounds)
+    max_seconds: float | None = None
+    compile_mode: str | None = "reduce-overhead"
+    compile_backend: str = "inductor"
+    compile_estimate: float = 60.0  # seconds a first compilation is assumed to take before one is seen
+
+    @classmethod
+    def dry_run(cls, device: str, **changes) -> "Plan":
+        """The same code paths on the tiny shape: seconds on a CPU. There inductor would compile C++ for minutes (and
+        torch skips CUDA graphs anyway), so unless a backend is given the compiled step is dynamo's graph run eagerly:
+        graph breaks and recompilations show all the same (tests/test_compiled_decoding.py checks the model's graph
+        under AOTAutograd). float32 there too: many CPUs emulate bf16, and a dry run checks code, not speed."""
+        values = dict(device=device, shapes=("tiny",), batches=(1, 2), train_tokens=64, prefill_tokens=64,
+                      prompt_tokens=16, warmup_steps=3, decode_steps=4, rounds=2, compile_estimate=5.0)
+        if device == "cpu":
+            values["dtype"] = "float32"
+            if "compile_backend" not in changes:
+                values.update(compile_backend="eager", compile_mode=None)
+        return cls(**{**values, **changes})
+
+
+def build(name: str, shape: dict, plan: Plan) -> torch.nn.Module:
     torch.manual_seed(0)
     llama_config = LlamaConfig(**shape, max_position_embeddings=8192)
-    if name == "llama":
-        model = LlamaForCausalLM(llama_config)
-    elif name == "llama 2x heads":
-        model = LlamaForCausalLM(LlamaConfig(**{**shape, "num_attention_heads": 2 * shape["num_attention_heads"]},
-                                             max_position_embeddings=8192))
-    else:
-        version = 2 if name == "diff-llama v2" else 1
-        options = ConversionOptions(diff_version=version)
-        config = diff_config_for(llama_config, make_layout(shape["num_attention_heads"],
-                                                           shape["num_key_value_heads"], options))
-        config.differential_kernel = FORCED_KERNELS.get(name)
-        model = DiffLlamaForCausalLM(config)
+    with torch.device(plan.device):  # random initialisation on the GPU: seconds instead of a minute for 1B on a CPU
+        if name == "llama":
+            model = LlamaForCausalLM(llama_config)
+        elif name == "llama 2x heads":
+            model = LlamaForCausalLM(LlamaConfig(**{**shape, "num_attention_heads": 2 * shape["num_attention_heads"]},
+                                                 max_position_embeddings=8192))
+        else:
+            options = ConversionOptions(diff_version=2 if name == "diff-llama v2" else 1)
+            config = diff_config_for(llama_config, make_layout(shape["num_attention_heads"],
+                                                               shape["num_key_value_heads"], options))
+            model = DiffLlamaForCausalLM(config)
     model.set_attn_implementation("sdpa")
-    return model.to("cuda", torch.bfloat16).eval()
+    return model.to(getattr(torch, plan.dtype)).eval()
 
 
-def timed(function) -> float:
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    function()
-    torch.cuda.synchronize()
-    return time.perf_counter() - started
+def elapsed_seconds(device: torch.device, work) -> float:
+    """Seconds `work` takes: CUDA events around it on a GPU, whose work is asynchronous (after a synchronisation, so
+    that nothing queued before counts); the host clock elsewhere."""
+    if device.type != "cuda":
+        started = time.perf_counter()
+        work()
+        return time.perf_counter() - started
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    work()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000
 
 
-def training_step(model, batch):
-    model.train()
+def forward_backward(model, batch):
     model(batch, labels=batch).loss.backward()
-    model.zero_grad(set_to_none=False)  # gradients stay allocated: the peak below is the step's own memory
-    model.eval()
 
 
-def measure(model, inputs, kinds) -> dict:
-    figures = {}
-    if "train" in kinds:
-        training_step(model, inputs["train"])  # warm-up, gradients allocated
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        figures["train step b1x4096 (s)"] = timed(lambda: training_step(model, inputs["train"]))
-        figures["train peak memory (GiB)"] = (torch.cuda.max_memory_allocated() - before) / 2**30
-    with torch.no_grad():
-        if "prefill" in kinds:
-            figures["prefill 4096 (s)"] = timed(lambda: model(inputs["prefill"], logits_to_keep=1))
-        for batch in (1, 16) if "decode" in kinds else ():
-            prompt = inputs["prompt"][:batch]
-            seconds = timed(lambda: model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                                   do_sample=False, pad_token_id=0))
-            figures[f"decode b{batch} (tokens/s)"] = batch * NEW_TOKENS / seconds
+def measure_train(model, batch, device) -> dict:
+    model.train()
+    try:
+        forward_backward(model, batch)  # warm-up; the gradients stay allocated, so the peak below is the step's own
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+        seconds = elapsed_seconds(device, lambda: forward_backward(model, batch))
+        # No allocator statistics on the CPU: the figure is left empty there rather than measured another way.
+        peak = (torch.cuda.max_memory_allocated(device) - before) / 2**30 if device.type == "cuda" else None
+    finally:  # the decoding figures need the model as it was, even after an error here (out of memory)
+        model.zero_grad(set_to_none=True)
+        model.eval()
+    return {"train step (ms)": 1000 * seconds, "train peak memory (GiB)": peak}
+
+
+@torch.no_grad()
+def measure_prefill(model, ids, device) -> dict:
+    model(ids, logits_to_keep=1)  # warm-up
+    return {"prefill (ms)": 1000 * elapsed_seconds(device, lambda: model(ids, logits_to_keep=1))}
+
+
+def decoding_step(model):
+    """One greedy decoding step: the next token and position from this one's, the cache written in place."""
+
+    def step(token, position, cache):
+        logits = model(input_ids=token, position_ids=position, use_cache=True, logits_to_keep=1,
+                       **{CACHE_NAME: cache}).logits
+        return logits[:, -1].argmax(-1, keepdim=True), position + 1
+
+    return step
+
+
+class Decoder:
+    """One model prepared for decoding at one batch size: eager over a dynamic cache, or compiled over a static one.
+    The static cache is made once and reset between samples, so that its tensors keep the addresses the CUDA graph
+    was recorded with."""
+
+    def __init__(self, model, compiled: bool, batch: int, plan: Plan):
+        self.model, self.compiled, self.plan = model, compiled, plan
+        self.step = decoding_step(model)
+        self.cache = None
+        if compiled:
+            options = {"mode": plan.compile_mode} if plan.compile_mode else {}
+            self.step = torch.compile(self.step, backend=plan.compile_backend, fullgraph=True, dynamic=False,
+                                      **options)
+            self.cache = StaticCache(config=model.config,
+                                     max_cache_len=plan.prompt_tokens + plan.warmup_steps + plan.decode_steps)
+
+    def new_cache(self):
+        if self.cache is None:
+            return DynamicCache(config=self.model.config)
+        self.cache.reset()
+        return self.cache
+
+    @torch.no_grad()
+    def tokens_per_second(self, prompt, device) -> float:
+        cache = self.new_cache()
+        logits = self.model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{CACHE_NAME: cache}).logits
+        # Contiguous like the step's own outputs: dynamo guards on strides, and a new stride would recompile.
+        position = torch.full((prompt.shape[0], 1), prompt.shape[1], dtype=torch.long, device=prompt.device)
+        state = [logits[:, -1].argmax(-1, keepdim=True), position]
+
+        def steps(count):
+            for _ in range(count):
+                if self.compiled:
+                    torch.compiler.cudagraph_mark_step_begin()
+                # Copies: a CUDA graph's outputs are overwritten by its next replay.
+                state[:] = [tensor.clone() for tensor in self.step(*state, cache)]
+
+        steps(self.plan.warmup_steps)
+        seconds = elapsed_seconds(device, lambda: steps(self.plan.decode_steps))
+        return prompt.shape[0] * self.plan.decode_steps / seconds
+
+
+@dataclasses.dataclass
+class Figure:
+    """One thing measured on several models, one sample of each per round: `measure(name)` returns {label: value}."""
+
+    key: str
+    models: list
+    measure: object
+    compiles: bool = False
+
+
+def figures_for(plan: Plan, models: dict, inputs: dict, device: torch.device) -> list:
+    figures = []
+    if "train" in plan.figures:
+        figures.append(Figure("train", list(models), lambda name: measure_train(models[name], inputs["train"], device)))
+    if "prefill" in plan.figures:
+        figures.append(Figure("prefill", list(models),
+                              lambda name: measure_prefill(models[name], inputs["prefill"], device)))
+    for kind in ("eager", "graphs"):
+        for batch in plan.batches if kind in plan.figures else ():
+            compiled = kind == "graphs"
+            decoders = {}
+
+            def measure(name, compiled=compiled, batch=batch, decoders=decoders, kind=kind):
+                if name not in decoders:  # on first use: only the compilations the budget lets start
+                    decoders[name] = Decoder(models[name], compiled, batch, plan)
+                value = decoders[name].tokens_per_second(inputs["prompt"][:batch], device)
+                return {f"decode b{batch} {kind} (tokens/s)": value}
+
+            names = [name for name in models if not compiled or name in plan.graph_models]
+            figures.append(Figure(f"{kind} b{batch}", names, measure, compiles=compiled))
     return figures
 
 
-def run_shape(shape_name: str, rounds: int, kinds, names, prompt_tokens: int = PROMPT_TOKENS) -> dict:
+class Budget:
+    """The seconds one shape may still use, and what a first compilation is expected to cost: the longest one seen
+    so far (carried from shape to shape), a guess before any."""
+
+    def __init__(self, seconds: float | None, compile_estimate: float, compile_seen: bool = False):
+        self.end = None if seconds is None else time.monotonic() + seconds
+        self.compile_estimate, self.compile_seen = compile_estimate, compile_seen
+
+    def allows(self, seconds: float) -> bool:
+        return self.end is None or time.monotonic() + seconds <= self.end
+
+    def saw_compilation(self, seconds: float):
+        self.compile_estimate = max(self.compile_estimate, seconds) if self.compile_seen else seconds
+        self.compile_seen = True
+
+
+def graph_counters() -> tuple:
+    """Graphs dynamo has compiled (recompilations included) and graphs inductor ran without CUDA graphs."""
+    return counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
+
+
+def new_record() -> dict:
+    return {"samples": {}, "graphs_compiled": {}, "cudagraph_skips": {}, "compile_seconds": {}, "errors": {},
+            "left_out": []}
+
+
+def take_sample(figure: Figure, name: str, record: dict, budget: Budget, device: torch.device) -> float:
+    """One sample of one model into `record`; returns the seconds that were not measurement (a compilation, an
+    error), which the next round's estimate leaves out."""
+    graphs_before, skips_before = graph_counters()
+    started = time.monotonic()
+    try:
+        values = figure.measure(name)
+    except Exception as error:  # noqa: BLE001  one failed figure must not cost the rest of a GPU run
+        record["errors"][name] = traceback.format_exception_only(type(error), error)[-1].strip()[:500]
+        print(f"{figure.key}, {name}: {record['errors'][name]}", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return time.monotonic() - started
+    seconds = time.monotonic() - started
+    record["samples"].setdefault(name, []).append(values)
+    if not figure.compiles:
+        return 0.0
+    graphs, skips = graph_counters()
+    record["graphs_compiled"].setdefault(name, []).append(graphs - graphs_before)
+    record["cudagraph_skips"].setdefault(name, []).append(skips - skips_before)
+    if graphs == graphs_before:
+        return 0.0
+    record["compile_seconds"][name] = seconds
+    budget.saw_compilation(seconds)
+    return seconds
+
+
+def run_shape(shape_name: str, plan: Plan, budget: Budget, result: dict, save):
+    """Every figure of every model at one shape into `result`, in interleaved rounds, until the rounds or the budget
+    run out; `save()` after every round."""
+    device = torch.device(plan.device)
     shape = SHAPES[shape_name]
     generator = torch.Generator().manual_seed(1)
     inputs = {
-        "train": torch.randint(3, shape["vocab_size"], (1, TRAIN_TOKENS), generator=generator),
-        "prefill": torch.randint(3, shape["vocab_size"], (1, PREFILL_TOKENS), generator=generator),
-        "prompt": torch.randint(3, shape["vocab_size"], (16, prompt_tokens), generator=generator),
+        "train": torch.randint(3, shape["vocab_size"], (1, plan.train_tokens), generator=generator),
+        "prefill": torch.randint(3, shape["vocab_size"], (1, plan.prefill_tokens), generator=generator),
+        "prompt": torch.randint(3, shape["vocab_size"], (max(plan.batches), plan.prompt_tokens), generator=generator),
     }
-    inputs = {key: value.cuda() for key, value in inputs.items()}
-    models = {name: build(name, shape) for name in names}
-    for model in models.values():  # warm-up: kernels chosen, generate's caches built
-        measure(model, inputs, kinds)
-    samples = {name: [] for name in names}
-    for _ in range(rounds):
-        for name, model in models.items():
-            samples[name].append(measure(model, inputs, kinds))
-    del models
-    torch.cuda.empty_cache()
-    medians = {name: {figure: statistics.median(sample[figure] for sample in rows) for figure in rows[0]}
-               for name, rows in samples.items()}
-    return {"medians": medians, "samples": samples}
+    inputs = {key: value.to(device) for key, value in inputs.items()}
+    started = time.monotonic()
+    models = {name: build(name, shape, plan) for name in plan.models}
+    result.update(build_seconds=time.monotonic() - started, rounds=0, figures={})
+    figures = figures_for(plan, models, inputs, device)
+    records = {figure.key: result["figures"].setdefault(figure.key, new_record()) for figure in figures}
+    round_seconds = {}  # figure -> seconds of its last round, compilations and errors left out
+    for round_index in range(plan.rounds):
+        if round_index == 0:
+            for figure in figures:
+                first_round(figure, records[figure.key], budget, round_seconds, plan, device)
+        else:
+            # Fewest samples first: where the budget runs out, it cuts the figures measured most.
+            for figure in sorted(figures, key=lambda figure: len(records[figure.key]["samples"].get(BASELINE, []))):
+                later_round(figure, records[figure.key], budget, round_seconds, round_index, device)
+        result["rounds"] = round_index + 1
+        print(f"{shape_name}: round {round_index + 1}/{plan.rounds}, {time.monotonic() - started:.0f} s", flush=True)
+        save()
+        if not budget.allows(0.0):
+            break
+    del models, figures
+    gc.collect()
+    torch._dynamo.reset()  # the compiled steps hold the models
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
-def ratio(medians, figure, model, baseline) -> float:
-    value = medians[model][figure] / medians[baseline][figure]
-    return 1 / value if "tokens/s" in figure else value  # always "time (or memory) relative to the baseline"
+def first_round(figure: Figure, record: dict, budget: Budget, round_seconds: dict, plan: Plan, device):
+    """Llama, then each model in turn. A compiled figure starts only where compiling llama and one more model still
+    leaves the figures measured so far time for `plan.min_rounds` rounds; each further model where its own
+    compilation does. Without llama's sample, the others' would have nothing to be compared with."""
+    reserve = (plan.min_rounds - 1) * sum(round_seconds.values()) if figure.compiles else 0.0
+    started, not_measuring = time.monotonic(), 0.0
+    for index, name in enumerate(figure.models):
+        compiling = budget.compile_estimate * (2 if index == 0 else 1) if figure.compiles else 0.0
+        if BASELINE not in record["samples"] and name != BASELINE or not budget.allows(compiling + reserve):
+            record["left_out"].append(name)
+            continue
+        not_measuring += take_sample(figure, name, record, budget, device)
+    round_seconds[figure.key] = time.monotonic() - started - not_measuring
 
 
-def spread(rows, figure) -> float:
-    values = [row[figure] for row in rows]
-    return max(values) / min(values)
+def later_round(figure: Figure, record: dict, budget: Budget, round_seconds: dict, round_index: int, device):
+    """All the models the first round measured, or none: a round of some models only would not be interleaved. The
+    order turns by one each round."""
+    names = [name for name in figure.models if name in record["samples"] and name not in record["errors"]]
+    if BASELINE not in names or len(names) < 2 or not budget.allows(round_seconds[figure.key]):
+        return
+    shift = round_index % len(names)
+    started, not_measuring = time.monotonic(), 0.0
+    for name in names[shift:] + names[:shift]:
+        not_measuring += take_sample(figure, name, record, budget, device)
+    round_seconds[figure.key] = time.monotonic() - started - not_measuring
 
 
-def write(results: dict, folder: Path, name: str = "cuda") -> Path:
+def allow_compilations(count: int):
+    """Every model and batch compiles the same step function once: dynamo's per-function limit must admit them."""
+    config = torch._dynamo.config
+    option = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, option, max(getattr(config, option), count))
+
+
+def write(results: dict, folder: Path, name: str = "cuda", echo: bool = True) -> Path:
     """FOLDER/NAME.json with the run's metadata, and its markdown rendered from it (bench/suite.py)."""
-    return suite.write_result("cuda_benchmark", Path(folder) / name, results, render)
+    return suite.write_result("cuda_benchmark", Path(folder) / name, results, render, echo=echo)
+
+
+def values_of(record: dict, label: str) -> dict:
+    """{model: the samples of one figure label}, leaving out what was not measured (CPU memory)."""
+    found = {}
+    for name, samples in record["samples"].items():
+        values = [sample[label] for sample in samples if sample.get(label) is not None]
+        if values:
+            found[name] = values
+    return found
+
+
+def spread(values) -> float:
+    return max(values) / min(values) if min(values) > 0 else float("inf")
+
+
+def ratio(values, baseline) -> tuple | None:
+    """(median ratio, readable): unreadable when a side has one sample, or a spread wider than the difference."""
+    if not values or not baseline:
+        return None
+    value = statistics.median(values) / statistics.median(baseline)
+    readable = min(len(values), len(baseline)) > 1 and max(spread(values), spread(baseline)) - 1 <= abs(1 - value)
+    return value, readable
+
+
+def ratio_text(found) -> str:
+    if found is None:
+        return "–"
+    value, readable = found
+    return f"{value:.2f}x" + ("" if readable else " unreadable")
+
+
+def figure_labels(record: dict) -> list:
+    samples = [sample for model_samples in record["samples"].values() for sample in model_samples]
+    return list(dict.fromkeys(label for sample in samples for label in sample))
 
 
 def render(results: dict) -> str:
-    lines = [f"# CUDA speed and memory ({results['device']}, torch {results['torch']}, bf16, SDPA, "
-             f"{results['rounds']} round(s))", "",
-             "Time or memory relative to the baseline (below 1: faster or smaller); decode ratios are inverted "
-             f"tokens/s. Decoding: {NEW_TOKENS} tokens after a {results['prompt_tokens']}-token prompt. Command: "
-             f"`{results['command']}`.", ""]
-    for shape_name, shape_results in results["shapes"].items():
-        medians = shape_results["medians"]
-        figures = list(next(iter(medians.values())))
-        models = [name for name in MODELS if name in medians]
-        ratios = [(a, b) for a, b in RATIOS if a in medians and b in medians]
-        lines += [f"## {shape_name}", "", "| figure | " + " | ".join(models) + " | "
-                  + " | ".join(f"{a} / {b}" for a, b in ratios) + " |",
-                  "|---" * (1 + len(models) + len(ratios)) + "|"]
-        for figure in figures:
-            cells = [f"{medians[name][figure]:.4g}" for name in models]
-            cells += [f"{ratio(medians, figure, a, b):.2f}x" for a, b in ratios]
-            lines.append(f"| {figure} | " + " | ".join(cells) + " |")
-        if results["rounds"] == 1:
-            lines += ["", "One round: no spread measured; read each ratio against the spreads of a run with more "
-                      "rounds.", ""]
-            continue
-        lines += ["", "Spread over the rounds (largest / smallest sample) of each model:", "",
-                  "| figure | " + " | ".join(models) + " |", "|---" * (1 + len(models)) + "|"]
-        samples = shape_results["samples"]
-        for figure in figures:
-            lines.append(f"| {figure} | " + " | ".join(f"{spread(samples[name], figure):.2f}" for name in models)
-                         + " |")
-        lines.append("")
+    plan = results["plan"]
+    models = [name for name in MODELS if name in plan["models"]]
+    others = [name for name in models if name != BASELINE]
+    compile_text = (f"`torch.compile(mode={plan['compile_mode']!r}, backend={plan['compile_backend']!r}, "
+                    "fullgraph=True)`")
+    lines = [
+        f"# CUDA speed and memory ({results['device']}, torch {results['torch']}, {plan['dtype']}, SDPA)", "",
+        f"Decoding: {plan['decode_steps']} greedy steps timed after a {plan['prompt_tokens']}-token prefill and "
+        f"{plan['warmup_steps']} warm-up steps; `eager`: dynamic cache; `graphs`: static cache, step compiled with "
+        f"{compile_text}. Train: batch 1 x {plan['train_tokens']}; prefill: {plan['prefill_tokens']} tokens. Each "
+        "cell: median (spread = largest / smallest sample, n = samples), models interleaved round by round. Ratios "
+        "are of the medians, to llama's: tokens/s above 1 is faster, time and memory below 1 faster or smaller; "
+        "unreadable where a spread is wider than the difference (or n = 1).",
+        f"Command: `{results['command']}`.", "",
+        "| shape | figure | " + " | ".join(models) + " | " + " | ".join(f"{name} / llama" for name in others) + " |",
+        "|---" * (2 + len(models) + len(others)) + "|",
+    ]
+    notes = []
+    for shape_name, shape in results["shapes"].items():
+        for key, record in shape.get("figures", {}).items():
+            for label in figure_labels(record):
+                found = values_of(record, label)
+                cells = [measured_cell(found.get(name), record, name) for name in models]
+                cells += [ratio_text(ratio(found.get(name), found.get(BASELINE))) for name in others]
+                lines.append(f"| {shape_name} | {label} | " + " | ".join(cells) + " |")
+            notes += figure_notes(shape_name, key, record)
+        notes.append(f"{shape_name}: {shape.get('rounds', 0)} round(s), models built in "
+                     f"{shape.get('build_seconds', 0):.0f} s.")
+    lines += ["", *targets(results), "", *(f"- {note}" for note in notes)]
+    budget = "no limit" if plan["max_seconds"] is None else f"{plan['max_seconds']:.0f} s"
+    lines.append(f"- Run time {results.get('seconds', 0):.0f} s, budget {budget}.")
     return "\n".join(lines)
 
 
-def main():
+def measured_cell(values, record: dict, name: str) -> str:
+    if values:
+        return f"{statistics.median(values):.4g} ({spread(values):.2f}, n={len(values)})"
+    if name in record["errors"]:
+        return "error"
+    return "left out" if name in record["left_out"] else "–"
+
+
+def figure_notes(shape_name: str, key: str, record: dict) -> list:
+    notes = [f"{shape_name}, {key}, {name}: error {message}" for name, message in record["errors"].items()]
+    if record["left_out"]:
+        notes.append(f"{shape_name}, {key}: left out for the time budget: {', '.join(record['left_out'])}.")
+    if record["compile_seconds"]:
+        notes.append(f"{shape_name}, {key}: first sample with its compilation, s: " + ", ".join(
+            f"{name} {seconds:.0f}" for name, seconds in record["compile_seconds"].items()))
+    for name, graphs in record["graphs_compiled"].items():
+        if graphs[0] != 1 or any(graphs[1:]):
+            notes.append(f"{shape_name}, {key}, {name}: graphs compiled per sample {graphs} (1, then 0 expected): "
+                         "a graph break or a recompilation.")
+    for name, skips in record["cudagraph_skips"].items():
+        if any(skips):
+            notes.append(f"{shape_name}, {key}, {name}: inductor skipped CUDA graphs {sum(skips)} time(s) "
+                         "(TORCH_LOGS=perf_hints says why; on a CPU it always does).")
+    return notes
+
+
+def targets(results: dict) -> list:
+    """Issue 40's targets, each met, not met or unreadable, from the table's figures."""
+    lines = ["Targets (issue 40):", ""]
+    for shape_name, shape in results["shapes"].items():
+        for key, record in shape.get("figures", {}).items():
+            for label in figure_labels(record):
+                found = values_of(record, label)
+                v2, v1 = (ratio(found.get(name), found.get(BASELINE)) for name in ("diff-llama v2", "diff-llama"))
+                if key.startswith("graphs") and v2:
+                    lines.append(f"- {shape_name}, {label}: DIFF V2 {ratio_text(v2)} of llama, target ≥ 0.95x: "
+                                 f"{verdict(v2, v2[0] >= 0.95)}")
+                if key.startswith("eager") and v2:
+                    bound = ratio(found.get("llama 2x heads"), found.get(BASELINE))
+                    if bound:
+                        both = (v2[0], v2[1] and bound[1])
+                        lines.append(f"- {shape_name}, {label}: DIFF V2 {ratio_text(v2)} of llama, target ≥ llama 2x "
+                                     f"heads' {ratio_text(bound)}: {verdict(both, v2[0] >= bound[0])}")
+                if label.startswith("train peak memory") and v1:
+                    lines.append(f"- {shape_name}, {label}: version 1 {ratio_text(v1)} of llama, target ≤ 1.15x: "
+                                 f"{verdict(v1, v1[0] <= 1.15)}")
+    return lines if len(lines) > 2 else ["Targets (issue 40): none of their figures measured."]
+
+
+def verdict(found: tuple, met: bool) -> str:
+    return "unreadable" if not found[1] else ("met" if met else "not met")
+
+
+def with_baseline(names):
+    """The models named, in the table's order, llama among them; None when none are named."""
+    return names and tuple(name for name in MODELS if name == BASELINE or name in names)
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds after the warm-up round (default 5)")
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES),
-                        help="model shapes to measure (default: both)")
-    parser.add_argument("--output", default=str(Path(__file__).parent / "results"),
-                        help="folder for the results (default bench/results)")
+    parser.add_argument("--output", required=True, help="folder for NAME.json and NAME.md")
     parser.add_argument("--name", default="cuda", help="file name of the results, without .json/.md (default cuda)")
-    parser.add_argument("--figures", nargs="+", default=list(FIGURE_KINDS), choices=list(FIGURE_KINDS),
-                        help="what to measure: the training step with its memory, prefill, decoding (default: all)")
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS), metavar="MODEL",
-                        help=f"models to measure, llama (the baseline) always among them; from {list(MODELS)} "
-                             "(default: all)")
-    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS,
-                        help=f"prompt length before decoding (default {PROMPT_TOKENS})")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("no CUDA device: this benchmark measures the GPU paths (see bench/model_benchmark.py for CPUs)")
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-               "rounds": args.rounds, "figures": args.figures, "prompt_tokens": args.prompt_tokens,
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the tiny shape, a few steps and 2 rounds: every code path in seconds, on the CPU too")
+    parser.add_argument("--device", help="cuda (the default) or cpu (with --dry-run, the default without CUDA)")
+    parser.add_argument("--max-seconds", type=float, help="time budget: no figure or round starts that would end "
+                        "after it (default: none)")
+    parser.add_argument("--rounds", type=int, help=f"most rounds (default {Plan.rounds}; dry run 2)")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), help=f"default {' '.join(Plan.shapes)}")
+    parser.add_argument("--figures", nargs="+", choices=FIGURE_KINDS, help="default: all, in this order")
+    parser.add_argument("--models", nargs="+", choices=MODELS, metavar="MODEL",
+                        help=f"from {list(MODELS)}; llama, the baseline, is always measured (default: all)")
+    parser.add_argument("--graph-models", nargs="+", choices=MODELS, metavar="MODEL",
+                        help=f"models decoded with CUDA graphs, each compiled per batch (default: "
+                             f"{' '.join(Plan.graph_models)})")
+    parser.add_argument("--decode-steps", type=int, help=f"timed decoding steps (default {Plan.decode_steps})")
+    parser.add_argument("--prompt-tokens", type=int, help=f"prompt before decoding (default {Plan.prompt_tokens})")
+    parser.add_argument("--compile-backend", help="torch.compile backend of the graphs figures (default inductor; "
+                        "dry run on a CPU: eager, dynamo's graph run eagerly)")
+    parser.add_argument("--compile-estimate", type=float,
+                        help="seconds assumed for a first compilation until one is seen "
+                             f"(default {Plan.compile_estimate:.0f})")
+    args = parser.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() or not args.dry_run else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device: run with --dry-run (the tiny shape on the CPU) or --device cpu")
+    changes = {key: value for key, value in dict(
+        device=device, max_seconds=args.max_seconds, rounds=args.rounds,
+        shapes=args.shapes and tuple(args.shapes), figures=args.figures and tuple(args.figures),
+        models=with_baseline(args.models), graph_models=with_baseline(args.graph_models),
+        decode_steps=args.decode_steps,
+        prompt_tokens=args.prompt_tokens, compile_backend=args.compile_backend,
+        compile_estimate=args.compile_estimate).items() if value is not None}
+    if args.compile_backend and args.compile_backend != "inductor":
+        changes["compile_mode"] = None  # modes are inductor's
+    plan = Plan.dry_run(**changes) if args.dry_run else Plan(**changes)
+    if args.dry_run and device == "cpu":
+        torch.set_num_threads(1)  # a dry run checks code, not speed: threads spinning on a shared CPU cost it twice
+    run(plan, Path(args.output), args.name, started=STARTED)
+
+
+def run(plan: Plan, folder: Path, name: str, started: float | None = None) -> dict:
+    """Measure `plan` into FOLDER/NAME.{json,md}; its time budget counts from `started` (time.monotonic())."""
+    allow_compilations(2 * len(plan.graph_models) * len(plan.batches))
+    started = time.monotonic() if started is None else started
+    results = {"device": torch.cuda.get_device_name() if plan.device == "cuda" else f"CPU ({plan.device})",
+               "torch": torch.__version__, "plan": dataclasses.asdict(plan),
                "command": suite.COMMAND or shlex.join(["python", "bench/cuda_benchmark.py", *sys.argv[1:]]),
                "shapes": {}}
-    for shape_name in args.shapes:
-        names = [name for name in MODELS if name == "llama" or name in args.models]
-        results["shapes"][shape_name] = run_shape(shape_name, args.rounds, args.figures, names, args.prompt_tokens)
-        write(results, Path(args.output), args.name)  # after each shape, so a cut-off run keeps what it measured
+
+    def save():
+        results["seconds"] = time.monotonic() - started
+        write(results, folder, name, echo=False)
+
+    budget = Budget(None, plan.compile_estimate)
+    for index, shape_name in enumerate(plan.shapes):
+        left = None if plan.max_seconds is None else max(0.0, plan.max_seconds - (time.monotonic() - started))
+        later = len(plan.shapes) - index - 1
+        # The first shape takes what the later ones leave it (what it does not use passes on to them); the compile
+        # time learnt on one shape guides the next.
+        share = None if left is None else max(left - later * plan.later_shape_seconds, left / (later + 1))
+        budget = Budget(share, budget.compile_estimate, budget.compile_seen)
+        results["shapes"][shape_name] = {}
+        run_shape(shape_name, plan, budget, results["shapes"][shape_name], save)
+    results["seconds"] = time.monotonic() - started
+    write(results, folder, name)
+    return results
 
 
 if __name__ == "__main__":

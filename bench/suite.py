@@ -137,17 +137,27 @@ def result_path(output: str | Path, suffix: str) -> Path:
     return output.with_name(output.name.removesuffix(".json").removesuffix(".md") + suffix)
 
 
-def write_result(benchmark: str, output: str | Path, data: dict, render: Callable[[dict], str] | None = None) -> Path:
+def write_result(benchmark: str, output: str | Path, data: dict, render: Callable[[dict], str] | None = None,
+                 echo: bool = True) -> Path:
     """Save `data` with the run's metadata as OUTPUT.json, then OUTPUT.md rendered from the file just written (by
-    `render`, the benchmark's own `render` unless given). A bare name goes under bench/results. Returns the JSON."""
+    `render`, the benchmark's own `render` unless given), printed unless `echo` is false. A bare name goes under
+    bench/results. Returns the JSON."""
     json_path = result_path(output, ".json")
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({"meta": metadata(benchmark), **data}, indent=1) + "\n")
-    render_file(json_path, render)
+    write_atomically(json_path, json.dumps({"meta": metadata(benchmark), **data}, indent=1) + "\n")
+    render_file(json_path, render, echo)
     return json_path
 
 
-def render_file(json_path: str | Path, render: Callable[[dict], str] | None = None) -> Path:
+def write_atomically(path: Path, text: str):
+    """Write `text` beside `path`, then rename it there: a run killed mid-write (a time limit) leaves the previous
+    file whole, never half of one."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def render_file(json_path: str | Path, render: Callable[[dict], str] | None = None, echo: bool = True) -> Path:
     """(Re)write the markdown of a result JSON written by `write_result`."""
     json_path = Path(json_path)
     result = json.loads(json_path.read_text())
@@ -158,6 +168,7 @@ def render_file(json_path: str | Path, render: Callable[[dict], str] | None = No
     render = render or module(result["meta"]["benchmark"]).render
     markdown = render(result).rstrip("\n") + "\n\n" + render_meta(result["meta"]) + "\n"
     md_path = json_path.with_suffix(".md")
-    md_path.write_text(markdown)
-    print(markdown, f"\nwritten to {json_path} and {md_path.name}", sep="", flush=True)
+    write_atomically(md_path, markdown)
+    if echo:
+        print(markdown, f"\nwritten to {json_path} and {md_path.name}", sep="", flush=True)
     return md_path

@@ -1,33 +1,153 @@
-"""bench/cuda_benchmark.py runs only on a GPU, and a GPU is lent for minutes: its table must be right the first time.
-These check, on the CPU, the report of a run that measured some models and figures only (--models, --figures)."""
+"""scripts/run_cuda_checks.sh and bench/cuda_benchmark.py run on a GPU lent for minutes: they must work the first time.
+These run their code on the CPU: the script's dry run (the benchmark on its tiny shape, every figure and model), the
+time budget, and the table's rules on samples made up to test them."""
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
 
 import cuda_benchmark  # noqa: E402
+import suite  # noqa: E402
+
+SCRIPT = REPO / "scripts" / "run_cuda_checks.sh"
+EAGER_ROWS = ("train step (ms)", "prefill (ms)", "decode b1 eager (tokens/s)", "decode b2 eager (tokens/s)")
+GRAPH_ROWS = ("decode b1 graphs (tokens/s)", "decode b2 graphs (tokens/s)")
 
 
-def test_a_decode_only_report_has_the_measured_models_and_their_ratios_only(tmp_path):
-    samples = {
-        "llama": [{"decode b1 (tokens/s)": 100.0}, {"decode b1 (tokens/s)": 80.0}],
-        "diff-llama": [{"decode b1 (tokens/s)": 50.0}, {"decode b1 (tokens/s)": 40.0}],
-        "diff-llama generic": [{"decode b1 (tokens/s)": 40.0}, {"decode b1 (tokens/s)": 40.0}],
-    }
-    medians = {name: {"decode b1 (tokens/s)": (rows[0]["decode b1 (tokens/s)"] + rows[1]["decode b1 (tokens/s)"]) / 2}
-               for name, rows in samples.items()}
-    results = {"device": "test", "torch": "x", "rounds": 2, "figures": ["decode"], "prompt_tokens": 512,
-               "command": "python bench/cuda_benchmark.py --figures decode", "shapes": {
-                   "smollm2-135m": {"medians": medians, "samples": samples}}}
-    cuda_benchmark.write(results, tmp_path, "t")
+def run_script(*args, cwd):
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=cwd, env={**os.environ, "PYTHON": sys.executable},
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """The script's dry run, OUT given relative to the caller's directory."""
+    caller = tmp_path_factory.mktemp("caller")
+    return run_script("--dry-run", "checks", cwd=caller), caller / "checks"
+
+
+def table_rows(text: str, shape: str = "tiny") -> dict:
+    """{figure: cells} of the table's rows of one shape."""
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith(f"| {shape} | "):
+            cells = [cell.strip() for cell in line.strip("|").split("|")]
+            rows[cells[1]] = cells[2:]
+    return rows
+
+
+def test_the_dry_run_measures_every_figure_of_every_model_and_ends_with_the_table(dry_run):
+    result, out = dry_run
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = result.stdout[result.stdout.rindex("==== summary"):]
+    assert "skipped" in summary and "benchmark exit 0" in summary and str(out) in summary
+    rows = table_rows(summary)
+    assert set(rows) == {*EAGER_ROWS, *GRAPH_ROWS, "train peak memory (GiB)"}
+    # Columns: llama, llama 2x heads, diff-llama v2, diff-llama, then the three ratios to llama.
+    for row in (*EAGER_ROWS, *GRAPH_ROWS):
+        measured = [0, 2, 3] if row in GRAPH_ROWS else [0, 1, 2, 3]  # CUDA graphs: not the 2x heads probe
+        assert [index for index, cell in enumerate(rows[row][:4]) if cell.endswith("n=2)")] == measured, row
+        assert all(cell.endswith("x") or cell.endswith("unreadable") for cell in
+                   (rows[row][4 + index - 1] for index in measured if index)), row
+    assert rows["train peak memory (GiB)"][:4] == ["–"] * 4  # no allocator statistics on the CPU
+    assert "Targets (issue 40):" in summary
+    assert {path.name for path in out.iterdir()} >= {"cuda-device.txt", "cuda-tests.log", "cuda-bench.log",
+                                                     "cuda.json", "cuda.md"}
+
+
+def test_the_dry_runs_json_has_the_suites_metadata_and_one_compilation_per_compiled_step(dry_run):
+    result, out = dry_run
+    saved = json.loads((out / "cuda.json").read_text())
+    meta = saved["meta"]
+    assert meta["benchmark"] == "cuda_benchmark" and "--dry-run" in meta["command"]
+    assert meta["versions"]["torch"] and meta["machine"]["cores"]
+    assert saved["plan"]["max_seconds"] > 0  # the script passed the budget left after the tests
+    figures = saved["shapes"]["tiny"]["figures"]
+    for key in ("graphs b1", "graphs b2"):
+        record = figures[key]
+        assert record["errors"] == {} and record["left_out"] == []
+        # Each model's step compiles once, in its first sample's warm-up, and never again.
+        assert record["graphs_compiled"] == {name: [1, 0] for name in ("llama", "diff-llama v2", "diff-llama")}
+    # The markdown is the JSON's: rendered again, it is the same file.
+    before = (out / "cuda.md").read_text()
+    suite.render_file(out / "cuda.json", echo=False)
+    assert (out / "cuda.md").read_text() == before
+
+
+def test_the_script_refuses_a_missing_or_cited_output_folder_in_one_line(tmp_path):
+    results = REPO / "bench" / "results"
+    listing = sorted(results.iterdir())
+    for args, problem in ((["--dry-run"], "the output folder OUT is missing"),
+                          (["--dry-run", str(results / "new")], "OUT is inside bench/results"),
+                          (["--budget", "soon", "x"], "--budget needs whole seconds"),
+                          (["--rounds", "3", "x"], "unknown option --rounds before OUT")):
+        result = run_script(*args, cwd=tmp_path)
+        assert result.returncode == 2 and problem in result.stderr and len(result.stderr.splitlines()) == 1, args
+    assert sorted(results.iterdir()) == listing and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("too_long", [
+    dict(compile_estimate=86400),  # a compilation assumed to take a day
+    dict(min_rounds=10**6),  # a compilation must leave time for a million rounds of the eager figures
+])
+def test_the_budget_leaves_out_what_would_not_fit_and_writes_what_was_measured(tmp_path, too_long):
+    plan = cuda_benchmark.Plan.dry_run("cpu", figures=("eager", "graphs"), batches=(1,), max_seconds=300, **too_long)
+    cuda_benchmark.run(plan, tmp_path, "budget")
+    figures = json.loads((tmp_path / "budget.json").read_text())["shapes"]["tiny"]["figures"]
+    assert set(figures["eager b1"]["samples"]) == set(cuda_benchmark.MODELS)
+    assert figures["graphs b1"]["samples"] == {} and figures["graphs b1"]["left_out"] == list(plan.graph_models)
+    table = (tmp_path / "budget.md").read_text()
+    assert "| tiny | decode b1 eager (tokens/s) |" in table and "graphs (tokens/s)" not in table
+    assert "tiny, graphs b1: left out for the time budget: llama, diff-llama v2, diff-llama." in table
+    # No time at all: nothing starts, and the file still says what was left out.
+    cuda_benchmark.run(cuda_benchmark.Plan.dry_run("cpu", figures=("prefill",), max_seconds=0), tmp_path, "none")
+    record = json.loads((tmp_path / "none.json").read_text())["shapes"]["tiny"]["figures"]["prefill"]
+    assert record["samples"] == {} and record["left_out"] == list(cuda_benchmark.MODELS)
+
+
+def made_up_results(figures: dict) -> dict:
+    plan = cuda_benchmark.Plan(max_seconds=480)
+    shape = {"rounds": 3, "build_seconds": 1.0, "figures": {}}
+    for key, samples in figures.items():
+        record = cuda_benchmark.new_record()
+        record["samples"] = samples
+        shape["figures"][key] = record
+    return {"device": "test", "torch": "x", "plan": cuda_benchmark.dataclasses.asdict(plan), "command": "test",
+            "shapes": {"llama-3.2-1b": shape}, "seconds": 400.0}
+
+
+def column(values, label):
+    return [{label: value} for value in values]
+
+
+def test_a_ratio_inside_either_sides_spread_is_unreadable_and_the_targets_say_so(tmp_path):
+    eager, graphs, memory = "decode b1 eager (tokens/s)", "decode b1 graphs (tokens/s)", "train peak memory (GiB)"
+    results = made_up_results({
+        "eager b1": {"llama": column([100, 102, 101], eager), "llama 2x heads": column([95, 96, 97], eager),
+                     "diff-llama v2": column([90, 91, 92], eager), "diff-llama": column([99, 120, 100], eager)},
+        "graphs b1": {"llama": column([200, 200, 200], graphs), "diff-llama v2": column([195, 196, 196], graphs),
+                      "diff-llama": column([150], graphs)},
+        "train": {"llama": column([5.0, 5.0], memory), "diff-llama": column([6.0, 6.0], memory)},
+    })
+    results["shapes"]["llama-3.2-1b"]["figures"]["graphs b1"]["errors"] = {"llama 2x heads": "RuntimeError: boom"}
+    suite.write_result("cuda_benchmark", tmp_path / "t", results, cuda_benchmark.render, echo=False)
     table = (tmp_path / "t.md").read_text()
-    header = next(line for line in table.splitlines() if line.startswith("| figure | llama"))
-    assert header.split(" | ")[1:] == ["llama", "diff-llama", "diff-llama generic", "diff-llama / llama",
-                                       "diff-llama generic / llama", "diff-llama / diff-llama generic |"]
-    row = next(line for line in table.splitlines() if line.startswith("| decode b1"))
-    # Inverted tokens/s: 90 against 45 is 2x the time per token; 45 against 40 is 0.89x.
-    assert row.split(" | ")[4:] == ["2.00x", "2.25x", "0.89x |"]
-    assert "64 tokens after a 512-token prompt" in table
-    spread = [line for line in table.splitlines() if line.startswith("| decode b1")][1]
-    assert spread == "| decode b1 (tokens/s) | 1.25 | 1.25 | 1.00 |"
+    rows = table_rows(table, "llama-3.2-1b")
+    # 91/101 = 0.90x outside both spreads (1.02); 100/101 = 0.99x inside v1's 120/99; 95/101 inside nobody's.
+    assert rows[eager][4:] == ["0.95x", "0.90x", "0.99x unreadable"]
+    assert rows[eager][0] == "101 (1.02, n=3)"
+    assert rows[graphs] == ["200 (1.00, n=3)", "error", "196 (1.01, n=3)", "150 (1.00, n=1)", "–", "0.98x",
+                            "0.75x unreadable"]  # n = 1: no spread, so no reading
+    assert rows[memory][6:] == ["1.20x"]
+    assert "- llama-3.2-1b, decode b1 graphs (tokens/s): DIFF V2 0.98x of llama, target ≥ 0.95x: met" in table
+    assert ("- llama-3.2-1b, decode b1 eager (tokens/s): DIFF V2 0.90x of llama, target ≥ llama 2x heads' 0.95x: "
+            "not met") in table
+    assert "- llama-3.2-1b, train peak memory (GiB): version 1 1.20x of llama, target ≤ 1.15x: not met" in table
+    assert "llama-3.2-1b, graphs b1, llama 2x heads: error RuntimeError: boom" in table

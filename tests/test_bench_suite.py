@@ -138,16 +138,18 @@ def test_a_bare_name_goes_under_bench_results():
 
 
 def test_render_finds_the_benchmark_by_the_name_the_json_records(tmp_path):
-    results = {"device": "test", "torch": "x", "rounds": 1, "figures": ["decode"], "prompt_tokens": 512,
-               "command": "python -m bench cuda_benchmark", "shapes": {"s": {
-                   "medians": {"llama": {"decode b1 (tokens/s)": 100.0}}, "samples": {}}}}
+    cuda_benchmark = suite.module("cuda_benchmark")
+    record = {**cuda_benchmark.new_record(), "samples": {"llama": [{"decode b1 eager (tokens/s)": 100.0}]}}
+    results = {"device": "test", "torch": "x", "plan": cuda_benchmark.dataclasses.asdict(cuda_benchmark.Plan()),
+               "command": "python -m bench cuda_benchmark", "seconds": 1.0,
+               "shapes": {"s": {"rounds": 1, "build_seconds": 0.0, "figures": {"eager b1": record}}}}
     path = suite.write_result("cuda_benchmark", tmp_path / "cuda", results)  # the module's own render
     first = path.with_suffix(".md").read_text()
     path.with_suffix(".md").unlink()
     out = subprocess.run([sys.executable, "-m", "bench", "render", str(path)], cwd=BENCH.parent, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert path.with_suffix(".md").read_text() == first and "| decode b1 (tokens/s) | 100 |" in first
+    assert path.with_suffix(".md").read_text() == first and "| s | decode b1 eager (tokens/s) | 100 (1.00, n=1) |" in first
 
 
 def test_unknown_benchmark_is_refused_by_name():

@@ -518,21 +518,29 @@ _MATCHED_TABLE: list = []
 
 
 def _matching_kernels(backend, device, step, dtype) -> tuple:
+    if torch.compiler.is_compiling():
+        # Matched once at trace time anyway; filling the memo while tracing would guard the graph on the key's
+        # absence, and the next step (the key now present) would recompile.
+        return _match_kernels(backend, device, step, dtype)
     if _MATCHED_TABLE != DIFFERENTIAL_KERNEL_DISPATCH:
         _MATCHING_KERNELS.clear()
         _MATCHED_TABLE[:] = DIFFERENTIAL_KERNEL_DISPATCH
     key = (backend, device, step, dtype)
     names = _MATCHING_KERNELS.get(key)
     if names is None:
-        names = _MATCHING_KERNELS[key] = tuple(
-            name
-            for rule_backend, rule_device, rule_step, rule_dtypes, name, _why in DIFFERENTIAL_KERNEL_DISPATCH
-            if rule_backend in ("*", backend)
-            and rule_device in ("*", device)
-            and rule_step in ("*", step)
-            and (rule_dtypes == "*" or dtype in rule_dtypes)
-        )
+        names = _MATCHING_KERNELS[key] = _match_kernels(backend, device, step, dtype)
     return names
+
+
+def _match_kernels(backend, device, step, dtype) -> tuple:
+    return tuple(
+        name
+        for rule_backend, rule_device, rule_step, rule_dtypes, name, _why in DIFFERENTIAL_KERNEL_DISPATCH
+        if rule_backend in ("*", backend)
+        and rule_device in ("*", device)
+        and rule_step in ("*", step)
+        and (rule_dtypes == "*" or dtype in rule_dtypes)
+    )
 
 
 def select_differential_kernel(module, query, key, attention_mask) -> DifferentialKernel:
