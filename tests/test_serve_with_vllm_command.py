@@ -39,6 +39,24 @@ def test_a_diff_v2_folder_goes_to_vllms_transformers_backend(model_folders):
     assert remote[-1] == "--trust-remote-code"
 
 
+def test_dtype_auto_passes_the_checkpoints_dtype(model_folders, tmp_path, tokenizer):
+    """vLLM's own auto serves float32 in bfloat16; ours means the checkpoint's dtype, as the transformers server's."""
+    import torch
+
+    from diff_llama.serving import vllm_command
+
+    def dtype_passed(folder, **options):
+        command = vllm_command(str(folder), ServeOptions(engine="vllm", **options))
+        return command[command.index("--dtype") + 1]
+
+    assert dtype_passed(model_folders[2]) == "float32"
+    assert dtype_passed(model_folders[2], dtype="bfloat16") == "bfloat16"  # an explicit choice is kept
+    half = tmp_path / "bf16"
+    tiny_model(diff_version=2, vocab_size=len(tokenizer), dtype=torch.bfloat16).save_pretrained(half)
+    tokenizer.save_pretrained(half)
+    assert dtype_passed(half) == "bfloat16"
+
+
 def test_the_plugin_is_declared_for_vllm():
     from importlib.metadata import entry_points
 

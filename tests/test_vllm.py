@@ -94,7 +94,7 @@ def server(converted, tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     with open(log, "w") as out:
-        process = subprocess.Popen([DIFF_LLAMA, "serve", str(converted), "--engine", "vllm", "--dtype", "float32",
+        process = subprocess.Popen([DIFF_LLAMA, "serve", str(converted), "--engine", "vllm",  # default dtype: the checkpoint's
                                     "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
                                    env={**os.environ, **VLLM_ENV}, start_new_session=True)
     base = f"http://127.0.0.1:{port}/v1"

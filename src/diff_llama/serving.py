@@ -254,7 +254,7 @@ def vllm_command(model: str, options) -> list[str]:
     config = load_config(model, trust_remote_code=options.trust_remote_code)
     command = [*vllm_server_launcher(), location.name_or_path,
                "--served-model-name", *dict.fromkeys([str(model), location.name_or_path]),
-               "--host", options.host, "--port", str(options.port), "--dtype", options.dtype,
+               "--host", options.host, "--port", str(options.port), "--dtype", vllm_dtype(config, options.dtype),
                "--uvicorn-log-level", options.log_level]
     if config.model_type == MODEL_TYPE:
         if config.diff_version != 2:
@@ -267,6 +267,15 @@ def vllm_command(model: str, options) -> list[str]:
     if options.trust_remote_code:
         command.append("--trust-remote-code")
     return command
+
+
+def vllm_dtype(config, dtype: str) -> str:
+    """The `--dtype` for vLLM: `auto` means the checkpoint's dtype, as it does for the transformers server. vLLM's own
+    `auto` serves a float32 checkpoint in bfloat16, and then its greedy answers differ from transformers'."""
+    if dtype != "auto":
+        return dtype
+    saved = getattr(config, "dtype", None)
+    return str(saved).removeprefix("torch.") if saved is not None else "auto"
 
 
 def serve_with_vllm(model: str, options) -> int:
