@@ -215,7 +215,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 def test_evaluate_gives_the_same_verdicts_on_cuda_as_on_the_cpu(chat_tokenizer):
     from diff_llama.retrieval import evaluate_model
-    from diff_llama_cli.options import RetrievalArguments
+    from diff_llama.options import RetrievalArguments
 
     options = RetrievalArguments(lengths=[300, 600], settings=["1x1", "2x2", "4x2"], cases_per_depth=1,
                                  perplexity_tokens=256, threads=0, max_new_tokens=12)

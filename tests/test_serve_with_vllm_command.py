@@ -10,7 +10,7 @@ import pytest
 
 import diff_llama
 from conftest import tiny_model
-from diff_llama_cli.options import ServeOptions
+from diff_llama.options import ServeOptions
 
 SRC = str(Path(diff_llama.__file__).parent.parent)
 

@@ -13,6 +13,7 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
+from . import errors, options  # noqa: F401  (torch-free; the command line may have imported them already)
 from .configuration_diff_llama import DiffLlamaConfig
 from .modeling_diff_llama import (
     DiffLlamaForCausalLM,

@@ -54,8 +54,8 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainerCallback
 
-from diff_llama_cli.options import AdaptationOptions, RetrievalArguments
-
+from .errors import InputNotFoundError, UserError
+from .options import AdaptationOptions, RetrievalArguments
 from .precision import resolve_dtype
 from .retrieval import TRAINING_CITIES, make_case
 
@@ -263,8 +263,8 @@ def freeze_lower_layers(model, count: int) -> list[torch.nn.Parameter]:
         return []
     layers = model.get_decoder().layers
     if not 0 < count < len(layers):
-        raise ValueError(f"frozen_layers must be between 0 and {len(layers) - 1} (this model has {len(layers)} decoder "
-                         f"layers), got {count}; set 0 to train every layer")
+        raise UserError(f"frozen_layers must be between 0 and {len(layers) - 1} (this model has {len(layers)} decoder "
+                        f"layers), got {count}; set 0 to train every layer")
     modules = [model.get_input_embeddings(), *layers[:count]]
     frozen = [param for module in modules for param in module.parameters() if param.requires_grad]
     for param in frozen:
@@ -354,9 +354,9 @@ def world_size() -> int:
 def batch_size(options: AdaptationOptions) -> int:
     size = world_size() if options.batch_size is None else options.batch_size
     if size < 1 or size % world_size():
-        raise ValueError(f"batch_size ({size}) must be a positive multiple of the number of processes "
-                         f"({world_size()}): each process trains on an equal share of every step's examples; set "
-                         f"--batch-size to a multiple of {world_size()}")
+        raise UserError(f"batch_size ({size}) must be a positive multiple of the number of processes "
+                        f"({world_size()}): each process trains on an equal share of every step's examples; set "
+                        f"--batch-size to a multiple of {world_size()}")
     return size
 
 
@@ -364,25 +364,25 @@ def check_options(options: AdaptationOptions) -> None:
     """Raise ValueError, naming the values and the fix, for options `adapt` cannot train with (checked before a model
     is loaded)."""
     if options.max_steps < 1 or options.min_length > options.max_length:
-        raise ValueError("need max_steps >= 1 and min_length <= max_length")
+        raise UserError("need max_steps >= 1 and min_length <= max_length")
     if options.long_length and (options.long_length <= options.max_length or not 0 < options.long_fraction <= 1):
-        raise ValueError(f"long examples need long_length > max_length and 0 < long_fraction <= 1 (got long_length "
-                         f"{options.long_length}, max_length {options.max_length}, long_fraction "
-                         f"{options.long_fraction}); set long_length 0 to train without them")
+        raise UserError(f"long examples need long_length > max_length and 0 < long_fraction <= 1 (got long_length "
+                        f"{options.long_length}, max_length {options.max_length}, long_fraction "
+                        f"{options.long_fraction}); set long_length 0 to train without them")
     own_warmup = options.differential_warmup_steps
     if own_warmup is not None and not 0 <= own_warmup <= options.max_steps:
-        raise ValueError(f"differential_warmup_steps must be between 0 and max_steps ({options.max_steps}), got "
-                         f"{own_warmup}; leave it unset to share warmup_steps")
+        raise UserError(f"differential_warmup_steps must be between 0 and max_steps ({options.max_steps}), got "
+                        f"{own_warmup}; leave it unset to share warmup_steps")
     if options.frozen_layers < 0:
-        raise ValueError(f"frozen_layers must be 0 or more, got {options.frozen_layers}; set 0 to train every layer")
+        raise UserError(f"frozen_layers must be 0 or more, got {options.frozen_layers}; set 0 to train every layer")
     if options.learning_rate <= 0 or options.differential_learning_rate < 0:
-        raise ValueError(f"need learning_rate > 0 and differential_learning_rate >= 0 (got {options.learning_rate} "
-                         f"and {options.differential_learning_rate}): the second query heads live in q_proj with the "
-                         "first, so their rate is applied as a multiple of learning_rate, which must be positive; set "
-                         "--learning-rate above 0 and --differential-learning-rate to 0 or more")
+        raise UserError(f"need learning_rate > 0 and differential_learning_rate >= 0 (got {options.learning_rate} "
+                        f"and {options.differential_learning_rate}): the second query heads live in q_proj with the "
+                        "first, so their rate is applied as a multiple of learning_rate, which must be positive; set "
+                        "--learning-rate above 0 and --differential-learning-rate to 0 or more")
     if not budget_seconds(options) > 0 or options.save_steps < 0:
-        raise ValueError(f"need max_seconds > 0 and save_steps >= 0 (got {budget_seconds(options)} and "
-                         f"{options.save_steps})")
+        raise UserError(f"need max_seconds > 0 and save_steps >= 0 (got {budget_seconds(options)} and "
+                        f"{options.save_steps})")
     batch_size(options)
     _autocast_dtype(options)  # an unknown dtype
 
@@ -519,8 +519,8 @@ def resumed_history(checkpoint: str, options: AdaptationOptions) -> dict:
               if key not in RESUMABLE_CHANGES and before.get(key) != value}
     if differ:
         found = ", ".join(f"{key} {old!r}, not {new!r}" for key, (old, new) in differ.items())
-        raise ValueError(f"--resume: {checkpoint} was trained with other options ({found}); pass the same options "
-                         "(only the budget, the checkpoint and probe intervals, threads and device may change)")
+        raise UserError(f"--resume: {checkpoint} was trained with other options ({found}); pass the same options "
+                        "(only the budget, the checkpoint and probe intervals, threads and device may change)")
     history["options"] = now
     return history
 
@@ -540,7 +540,7 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
                       FutureWarning, stacklevel=2)
     check_options(options)
     if options.resume and output is None:
-        raise ValueError("resume needs the output folder that holds the run's checkpoint-N folders")
+        raise UserError("resume needs the output folder that holds the run's checkpoint-N folders")
     checkpoint = resume_checkpoint(output, True) if options.resume else None
     device = training_device(options)
     dtype = _autocast_dtype(options, device)
@@ -682,13 +682,13 @@ def check_adapt_output(output: Path, options: AdaptationOptions, overwrite: bool
     from .output_folder import check_new_output, replace_refusal
 
     if options.resume and overwrite:
-        raise ValueError("give --resume (continue the run in OUTPUT) or --overwrite (start it over), not both.")
+        raise UserError("give --resume (continue the run in OUTPUT) or --overwrite (start it over), not both.")
     checkpoints = output.is_dir() and any(output.glob("checkpoint-*"))
     if options.resume and not checkpoints:
         replaceable = output.is_dir() and replace_refusal(output) is None
         start_over = ", or pass --overwrite to start over" if replaceable else ""
-        raise FileNotFoundError(f"--resume: {output} holds no checkpoint-N folder to continue from (the run finished, "
-                                f"or saved none: --save-steps); choose a new folder{start_over}.")
+        raise InputNotFoundError(f"--resume: {output} holds no checkpoint-N folder to continue from (the run finished, "
+                                 f"or saved none: --save-steps); choose a new folder{start_over}.")
     if not options.resume:
         check_new_output(output, "pass --resume to continue the run it holds, or choose a new folder" if checkpoints
                          else "choose a new folder", overwrite)

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import UserError
 from .plotting import pyplot, save_png
 
 
@@ -14,7 +15,7 @@ def attention_maps(model, tokenizer, text: str, layer: int):
     DIFF V2: (q, H/2), per token and head), the differential maps (H/2, q, k), and the tokens. For a model without
     differential attention (no `differential_maps`): its softmax maps (H, q, k), None, None, None, the tokens."""
     if not 0 <= layer < model.config.num_hidden_layers:
-        raise ValueError(f"--layer must be between 0 and {model.config.num_hidden_layers - 1}, got {layer}.")
+        raise UserError(f"--layer must be between 0 and {model.config.num_hidden_layers - 1}, got {layer}.")
     model.set_attn_implementation("eager")  # only eager attention returns the softmax maps
     inputs = tokenizer(text, return_tensors="pt")
     out = model(**inputs, output_attentions=True, output_hidden_states=True)
@@ -33,12 +34,12 @@ def plot_head(first, second, lam, differential, tokens, head: int, layer: int, o
 
     if differential is None:
         if not 0 <= head < first.shape[0]:
-            raise ValueError(f"--head must be between 0 and {first.shape[0] - 1} (this model has {first.shape[0]} heads).")
+            raise UserError(f"--head must be between 0 and {first.shape[0] - 1} (this model has {first.shape[0]} heads).")
         panels = [(first[head], f"softmax map (head {head})", "viridis", 0.0, 1.0)]
     else:
         half = first.shape[0]
         if not 0 <= head < half:
-            raise ValueError(f"--head must be between 0 and {half - 1} (this model has {half} differential heads).")
+            raise UserError(f"--head must be between 0 and {half - 1} (this model has {half} differential heads).")
         limit = max(differential[head].abs().max().item(), 1e-6)
         if lam.dim() == 0:
             lam_text = f"λ = {lam.item():.3f}"

@@ -13,6 +13,7 @@ import transformers
 from transformers.core_model_loading import revert_weight_conversion
 
 from .configuration_diff_llama import DiffLlamaConfig
+from .errors import InputNotFoundError, OutputExistsError, UserError
 from .modeling_diff_llama import DiffLlamaForCausalLM
 
 # Fields that exist only in diff-llama's config; the built-in config would keep them as stray attributes.
@@ -23,7 +24,7 @@ def load_builtin_checkpoint(path: str | os.PathLike, **from_pretrained_kwargs) -
     """Load a checkpoint saved by `transformers.DiffLlamaForCausalLM` into diff-llama's class (identical logits)."""
     builtin_config = transformers.DiffLlamaConfig.from_pretrained(path)
     if builtin_config.model_type != "diffllama":
-        raise ValueError(f"{path} holds a `{builtin_config.model_type}` checkpoint, not a built-in `diffllama` one.")
+        raise UserError(f"{path} holds a `{builtin_config.model_type}` checkpoint, not a built-in `diffllama` one.")
     config = DiffLlamaConfig(**builtin_config.to_dict())
     return DiffLlamaForCausalLM.from_pretrained(path, config=config, **from_pretrained_kwargs)
 
@@ -31,17 +32,17 @@ def load_builtin_checkpoint(path: str | os.PathLike, **from_pretrained_kwargs) -
 def to_builtin_config(config: DiffLlamaConfig) -> "transformers.DiffLlamaConfig":
     """The built-in config for the same model; refuses what the built-in model cannot compute."""
     if config.diff_version != 1:
-        raise ValueError(
+        raise UserError(
             "transformers' built-in DiffLlama implements version 1 only; this is a DIFF V2 model (diff_version=2). "
             "Keep it in diff-llama (which loads anywhere via trust_remote_code=True)."
         )
     if config.num_key_value_heads % 2:
-        raise ValueError(
+        raise UserError(
             f"transformers' built-in DiffLlama needs an even `num_key_value_heads`, this model has "
             f"{config.num_key_value_heads}. Keep it in diff-llama (which loads anywhere via trust_remote_code=True)."
         )
     if config.mlp_bias:
-        raise ValueError("transformers' built-in DiffLlama has no MLP biases; this model has `mlp_bias=True`.")
+        raise UserError("transformers' built-in DiffLlama has no MLP biases; this model has `mlp_bias=True`.")
     values = {k: v for k, v in config.to_dict().items() if k not in _OWN_FIELDS}
     return transformers.DiffLlamaConfig(**values)
 
@@ -73,9 +74,9 @@ def export_folder_to_builtin(source: str | os.PathLike, output_dir: str | os.Pat
     from transformers import AutoTokenizer
 
     if Path(output_dir).exists():
-        raise FileExistsError(f"{output_dir} already exists; choose a new output folder.")
+        raise OutputExistsError(f"{output_dir} already exists; choose a new output folder.")
     if not Path(source, "config.json").is_file():
-        raise FileNotFoundError(f"{source}: no such diff-llama checkpoint folder (no config.json).")
+        raise InputNotFoundError(f"{source}: no such diff-llama checkpoint folder (no config.json).")
     config = DiffLlamaConfig.from_pretrained(source)
     to_builtin_config(config)  # refuses what the built-in cannot compute before the weights are read
     export_to_builtin(DiffLlamaForCausalLM.from_pretrained(source, config=config), output_dir)

@@ -1,11 +1,12 @@
 """What each `diff-llama` command runs, one function per command, called with the values `diff_llama_cli` parsed
-(the positional arguments, then one instance per option dataclass; see `diff_llama_cli.COMMANDS`). Each returns the
+(the positional arguments, then one instance per option dataclass; see `diff_llama_cli.command_table`). Each returns the
 exit code. Heavy modules are imported inside the functions, so that a command loads only what it uses."""
 
 import os
 from pathlib import Path
 
-from diff_llama_cli import options as o
+from . import options as o
+from .errors import OutputExistsError, UserError
 
 
 def convert(source, output, options, command_options: o.ConvertCommandOptions) -> int:
@@ -62,10 +63,10 @@ def attention_map(model, options: o.AttentionMapOptions) -> int:
     differential = config.model_type in ("diff_llama", "diffllama")
     heads = config.num_attention_heads // 2 if differential else config.num_attention_heads
     if not 0 <= options.layer < config.num_hidden_layers:
-        raise ValueError(f"--layer must be between 0 and {config.num_hidden_layers - 1}, got {options.layer}.")
+        raise UserError(f"--layer must be between 0 and {config.num_hidden_layers - 1}, got {options.layer}.")
     if options.head is not None and not 0 <= options.head < heads:
-        raise ValueError(f"--head must be between 0 and {heads - 1} (this model has {heads} "
-                         f"{'differential ' if differential else ''}heads).")
+        raise UserError(f"--head must be between 0 and {heads - 1} (this model has {heads} "
+                        f"{'differential ' if differential else ''}heads).")
     selected = range(heads) if options.head is None else [options.head]
     output = Path(options.output)
     paths = [output / f"layer{options.layer}-head{head}.png" for head in selected]
@@ -96,11 +97,11 @@ def check_map_folder(output: Path, existing: list[Path], overwrite: bool) -> Non
         return
     refusal = replace_refusal(output)
     if overwrite and refusal is not None:
-        raise FileExistsError(f"--overwrite refused: {refusal}.")
+        raise OutputExistsError(f"--overwrite refused: {refusal}.")
     if not overwrite:
         these = "it" if len(existing) == 1 else f"these {len(existing)} maps"
         hint = f", or pass --overwrite to replace {these}" if refusal is None else ""
-        raise FileExistsError(f"{existing[0]} already exists; choose another --output{hint}.")
+        raise OutputExistsError(f"{existing[0]} already exists; choose another --output{hint}.")
 
 
 def adapt(model, output, options, command_options: o.AdaptCommandOptions) -> int:

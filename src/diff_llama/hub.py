@@ -10,13 +10,15 @@ import logging
 import os
 import threading
 
+from .errors import UserError
+
 # Seconds to wait for any answer from the Hub; a reachable Hub answers in well under one.
 REACHABILITY_TIMEOUT = 3.0
 
 logger = logging.getLogger(__name__)
 
 
-class HubUnreachableError(ConnectionError):
+class HubUnreachableError(UserError, ConnectionError):
     """The Hub cannot be asked (no network, or offline mode); the message (one line) says what to do."""
 
 

@@ -7,6 +7,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from .errors import UserError
 from .plotting import pyplot
 
 
@@ -130,7 +131,7 @@ def plot_differential_attention(log_history: list[dict], output: str | Path) -> 
 
     entries = [e for e in log_history if "diff_attn/mean_abs_lambda" in e]
     if not entries:
-        raise ValueError("the log history has no diff_attn/ entries: train with DifferentialAttentionCallback.")
+        raise UserError("the log history has no diff_attn/ entries: train with DifferentialAttentionCallback.")
     steps = [e["step"] for e in entries]
     layers = sorted({int(k.rsplit("_", 1)[1]) for k in entries[0] if k.startswith("diff_attn/lambda/layer_")})
     colour_map = plt.get_cmap("viridis")

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .errors import OutputExistsError
+
 # Written into every folder that evaluate, demo, attention-map and adapt create: the folder is ours to replace.
 MARKER = ".diff-llama-output"
 
@@ -113,19 +115,19 @@ def replace_refusal(path: str | os.PathLike) -> str | None:
 
 def check_new_output(path: str | os.PathLike, fix: str = "choose a new folder", overwrite: bool = False, *,
                      offers_overwrite: bool = True) -> None:
-    """Raise FileExistsError (one line: what is there and how to go on) unless `path` is new, an empty folder, or,
-    with `overwrite`, a folder diff-llama may replace. Without it, `fix` is the advice, followed by --overwrite for
-    a command that `offers_overwrite` where --overwrite would be allowed."""
+    """Raise OutputExistsError (a FileExistsError; one line: what is there and how to go on) unless `path` is new,
+    an empty folder, or, with `overwrite`, a folder diff-llama may replace. Without it, `fix` is the advice, followed
+    by --overwrite for a command that `offers_overwrite` where --overwrite would be allowed."""
     path = Path(path)
     if path.is_file():
-        raise FileExistsError(f"{path} is a file; give a folder name that does not exist yet.")
+        raise OutputExistsError(f"{path} is a file; give a folder name that does not exist yet.")
     if overwrite:
         refusal = replace_refusal(path) if path.exists() else None
         if refusal is not None:
-            raise FileExistsError(f"--overwrite refused: {refusal}.")
+            raise OutputExistsError(f"--overwrite refused: {refusal}.")
     elif holds_files(path):
         allowed = offers_overwrite and replace_refusal(path) is None
-        raise FileExistsError(f"{path} is not empty; {fix}{', or pass --overwrite to replace it' if allowed else ''}.")
+        raise OutputExistsError(f"{path} is not empty; {fix}{', or pass --overwrite to replace it' if allowed else ''}.")
 
 
 def clear_output(path: str | os.PathLike) -> None:
@@ -186,7 +188,7 @@ class AtomicOutputFolder:
         if Path(output).exists():  # even an empty folder is replaced: never the working directory or a folder above
             refusal = replace_refusal(output)
             if refusal is not None:
-                raise FileExistsError(f"{refusal}.")
+                raise OutputExistsError(f"{refusal}.")
         self.output = Path(output).absolute()
         self.output.parent.mkdir(parents=True, exist_ok=True)
         self.path = None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import UserError
+
 # Capability names of `torch.cpu.get_capabilities()` that mean bf16 arithmetic in hardware.
 CPU_BFLOAT16_UNITS = ("amx_bf16", "avx512_bf16", "bf16", "sve_bf16")
 
@@ -47,4 +49,4 @@ def resolve_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
         return torch.float32
     if name in ("float32", "bfloat16", "float16"):
         return getattr(torch, name)
-    raise ValueError(f"unknown dtype {name!r}: choose auto, float32, bfloat16 or float16 (or none for no autocast)")
+    raise UserError(f"unknown dtype {name!r}: choose auto, float32, bfloat16 or float16 (or none for no autocast)")

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from .configuration_diff_llama import REMOTE_CODE_FILES
+from .errors import UserError
 from .model_card import build_model_card
 
 # Training leftovers that do not belong in a published model.
@@ -17,24 +18,24 @@ def check_publishable(folder: str | Path) -> dict:
     """Raise a ValueError naming what is missing for the folder to load from the Hub; returns its config."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise ValueError(f"{folder}: no such folder; pass the folder written by diff-llama convert, recover or train.")
+        raise UserError(f"{folder}: no such folder; pass the folder written by diff-llama convert, recover or train.")
     if (folder / "adapter_config.json").exists():
-        raise ValueError(f"{folder} is a LoRA adapter, not a model: merge it into its base model first (diff-llama "
-                         "train ... --lora --merge, or peft's merge_and_unload() then save_pretrained), or push the "
-                         "adapter with peft's own push_to_hub.")
+        raise UserError(f"{folder} is a LoRA adapter, not a model: merge it into its base model first (diff-llama "
+                        "train ... --lora --merge, or peft's merge_and_unload() then save_pretrained), or push the "
+                        "adapter with peft's own push_to_hub.")
     if not (folder / "config.json").exists():
-        raise ValueError(f"{folder} has no config.json, so it is not a saved model: pass a folder written by "
-                         "save_pretrained or diff-llama.")
+        raise UserError(f"{folder} has no config.json, so it is not a saved model: pass a folder written by "
+                        "save_pretrained or diff-llama.")
     config = json.loads((folder / "config.json").read_text())
     if config.get("model_type") != "diff_llama":
-        raise ValueError(f"{folder} holds a `{config.get('model_type')}` model, not a diff_llama one; push it with "
-                         "huggingface_hub (hf upload) instead.")
+        raise UserError(f"{folder} holds a `{config.get('model_type')}` model, not a diff_llama one; push it with "
+                        "huggingface_hub (hf upload) instead.")
     if not any(folder.glob("*.safetensors")):
-        raise ValueError(f"{folder} has no .safetensors weights.")
+        raise UserError(f"{folder} has no .safetensors weights.")
     missing = [name for name in REMOTE_CODE_FILES if not (folder / name).exists()]
     if missing or "auto_map" not in config:
-        raise ValueError(f"{folder} lacks the remote code ({', '.join(missing) or 'auto_map in config.json'}), so "
-                         "it would not load with trust_remote_code=True; re-save it with diff_llama imported.")
+        raise UserError(f"{folder} lacks the remote code ({', '.join(missing) or 'auto_map in config.json'}), so "
+                        "it would not load with trust_remote_code=True; re-save it with diff_llama imported.")
     return config
 
 

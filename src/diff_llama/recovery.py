@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from transformers import Trainer, TrainerCallback
 
-from diff_llama_cli.options import RecoveryOptions
-
+from .errors import UserError
+from .options import RecoveryOptions
 from .model_card import write_model_card
 from .training import (
     TokenBlocks,
@@ -218,7 +218,7 @@ def recover(model_path: str, options: RecoveryOptions) -> dict:
     if source is None:
         report_path = Path(model_path) / "conversion_report.json"
         if not report_path.exists():
-            raise ValueError(f"{model_path} has no conversion_report.json naming its source; pass --source.")
+            raise UserError(f"{model_path} has no conversion_report.json naming its source; pass --source.")
         source = json.loads(report_path.read_text())["source"]
     try:
         find_model(source)
@@ -231,12 +231,12 @@ def recover(model_path: str, options: RecoveryOptions) -> dict:
     user_text = read_text(options.data) if options.data else None  # a wrong path fails before any loading
     tokenizer, student = load_for_training(model_path, options.seed)
     if getattr(student.config, "diff_version", 1) == 2:
-        raise ValueError(f"{model_path} is a DIFF V2 conversion, which already computes its source exactly: "
-                         "distillation has nothing to recover (its gradient is zero). Fine-tune it with `diff-llama train`.")
+        raise UserError(f"{model_path} is a DIFF V2 conversion, which already computes its source exactly: "
+                        "distillation has nothing to recover (its gradient is zero). Fine-tune it with `diff-llama train`.")
     teacher = load_teacher(source)
     if teacher.config.vocab_size != student.config.vocab_size:
-        raise ValueError(f"source vocabulary ({teacher.config.vocab_size}) differs from the model's "
-                         f"({student.config.vocab_size}); --source must be the LLaMA this model was converted from.")
+        raise UserError(f"source vocabulary ({teacher.config.vocab_size}) differs from the model's "
+                        f"({student.config.vocab_size}); --source must be the LLaMA this model was converted from.")
 
     held_out_text = stdlib_docstrings(HELD_OUT_MODULES)
     held_out_ids = tokenizer(held_out_text, return_tensors="pt", add_special_tokens=False).input_ids[0]

@@ -10,10 +10,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import InputNotFoundError
+
 SMOLLM2 = "smollm2"
 
 
-class ModelNotFoundError(FileNotFoundError):
+class ModelNotFoundError(InputNotFoundError):
     """The argument names no model that can be loaded; the message (one line) says what was tried and the fix."""
 
 
@@ -112,6 +114,12 @@ def _one_line(error: Exception) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 
 
+def has_tokenizer_files(folder: str | os.PathLike) -> bool:
+    """Whether `folder` holds a saved tokenizer, of any kind transformers saves."""
+    folder = Path(folder)
+    return any((folder / name).is_file() for name in TOKENIZER_FILE_NAMES) or any(folder.glob("*.tiktoken"))
+
+
 def check_model_folder(location: ModelLocation, tokenizer: bool = False) -> None:
     """Refuse, in one line that names the fix, a local folder that is not a whole model (or, with `tokenizer`, lacks
     a tokenizer). Without this, transformers fails on such folders while building a tokenizer and blames a missing
@@ -131,8 +139,7 @@ def check_model_folder(location: ModelLocation, tokenizer: bool = False) -> None
             f"{folder} has no config.json, so it is not a Transformers model folder; give a folder written by "
             "save_pretrained or diff-llama (config.json, weights, tokenizer), a .gguf file, smollm2 or a Hub id."
         )
-    if tokenizer and not any((folder / name).is_file() for name in TOKENIZER_FILE_NAMES) \
-            and not any(folder.glob("*.tiktoken")):
+    if tokenizer and not has_tokenizer_files(folder):
         raise MissingTokenizerError(
             f"{folder} has a model but no tokenizer (no tokenizer.json or tokenizer_config.json); save the tokenizer "
             f"of the model it came from into it: AutoTokenizer.from_pretrained(SOURCE).save_pretrained('{folder}')."

@@ -24,6 +24,8 @@ curl localhost:8000/v1/chat/completions -H "Content-Type: application/json" \\
 
 import contextlib
 
+from .errors import MissingPackageError, UserError
+
 MODEL_TYPE = "diff_llama"
 
 
@@ -69,7 +71,7 @@ def require_server_with_gguf_loading() -> None:
     from transformers.cli.serving.model_manager import ModelManager
 
     if "gguf_file" not in inspect.signature(ModelManager._load_model).parameters:
-        raise ImportError(
+        raise MissingPackageError(
             f"diff-llama serve needs the server of transformers 5.17 or newer (this is {transformers.__version__}): "
             'pip install -U "transformers>=5.17"'
         )
@@ -184,7 +186,7 @@ def served_names(model: str) -> tuple[str, set[str]]:
 
 def serve(model: str, options) -> int:
     """`diff-llama serve MODEL [options]` (declared in `diff_llama_cli`): transformers' server, with MODEL preloaded,
-    until interrupted. `options` is a `diff_llama_cli.options.ServeOptions`; its fields are passed to transformers
+    until interrupted. `options` is a `diff_llama.options.ServeOptions`; its fields are passed to transformers
     serve as they are."""
     from dataclasses import asdict
 
@@ -196,7 +198,7 @@ def serve(model: str, options) -> int:
 
     force_model, aliases = served_names(model)  # before the serving extras: the model is the likelier mistake
     if not is_serve_available():
-        raise ImportError(
+        raise MissingPackageError(
             "serving needs transformers' serving extras (fastapi, uvicorn, openai, pydantic): "
             'pip install "diff-llama[serving]"'
         )
@@ -245,12 +247,12 @@ def vllm_command(model: str, options) -> list[str]:
     for name, unset in TRANSFORMERS_SERVER_ONLY.items():
         if getattr(options, name) != unset:
             flag = "--" + name.replace("_", "-")
-            raise ValueError(f"{flag} is an option of the transformers server; with --engine vllm, drop it, or run "
-                             "vllm serve yourself with vLLM's own options (diff-llama prints its command line)")
+            raise UserError(f"{flag} is an option of the transformers server; with --engine vllm, drop it, or run "
+                            "vllm serve yourself with vLLM's own options (diff-llama prints its command line)")
     location = find_model(model, tokenizer=True)
     if location.gguf_file:
-        raise ValueError(f"vLLM serves a model folder, not a GGUF file ({location.description}): convert it first, "
-                         f"diff-llama convert {model} outputs/my-diff-llama, and serve that folder")
+        raise UserError(f"vLLM serves a model folder, not a GGUF file ({location.description}): convert it first, "
+                        f"diff-llama convert {model} outputs/my-diff-llama, and serve that folder")
     config = load_config(model, trust_remote_code=options.trust_remote_code)
     command = [*vllm_server_launcher(), location.name_or_path,
                "--served-model-name", *dict.fromkeys([str(model), location.name_or_path]),
@@ -258,7 +260,7 @@ def vllm_command(model: str, options) -> list[str]:
                "--uvicorn-log-level", options.log_level]
     if config.model_type == MODEL_TYPE:
         if config.diff_version != 2:
-            raise ValueError(
+            raise UserError(
                 f"{model} is a version 1 DiffLlama, which vLLM cannot serve (its attention makes two backend calls "
                 "per layer, vLLM's Transformers backend takes one): serve it with the transformers server "
                 f"(diff-llama serve {model}), or convert the source LLaMA to DIFF V2 (the default of diff-llama "
@@ -288,7 +290,7 @@ def serve_with_vllm(model: str, options) -> int:
 
     command = vllm_command(model, options)  # before vLLM: the model is the likelier mistake
     if importlib.util.find_spec("vllm") is None:
-        raise ImportError(f"--engine vllm needs vLLM, which is not installed here: {VLLM_INSTALL_HINT}")
+        raise MissingPackageError(f"--engine vllm needs vLLM, which is not installed here: {VLLM_INSTALL_HINT}")
     shown = ["vllm", *command[3:]] if command[2] == "vllm.entrypoints.cli.main" else ["python", *command[1:]]
     print("Running: " + shlex.join(shown), flush=True)
     os.execv(command[0], command)  # the server owns the process from here: signals and exit status are vLLM's

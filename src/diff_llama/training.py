@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from diff_llama_cli.options import FineTuneOptions, TrainingRunOptions
+from .errors import InputNotFoundError, OutputExistsError, UserError
+from .options import FineTuneOptions, TrainingRunOptions
 
 LAMBDA_MODULE = "differential_lambda"
 ATTENTION_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -43,7 +44,7 @@ def read_text(path: str | Path) -> str:
     """
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"training data {path} does not exist; pass a text file or a folder of them.")
+        raise InputNotFoundError(f"training data {path} does not exist; pass a text file or a folder of them.")
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
     texts = []
     for file in files:
@@ -52,13 +53,13 @@ def read_text(path: str | Path) -> str:
                 if line.strip():
                     record = json.loads(line)
                     if "text" not in record:
-                        raise ValueError(f'{file}:{number} has no "text" field; each JSON line needs one.')
+                        raise UserError(f'{file}:{number} has no "text" field; each JSON line needs one.')
                     texts.append(record["text"])
         else:
             texts.append(file.read_text(encoding="utf-8"))
     text = "\n\n".join(t for t in texts if t.strip())
     if not text:
-        raise ValueError(f"found no text in {path} (looked for {', '.join(TEXT_SUFFIXES)} files).")
+        raise UserError(f"found no text in {path} (looked for {', '.join(TEXT_SUFFIXES)} files).")
     return text
 
 
@@ -68,7 +69,7 @@ class TokenBlocks(torch.utils.data.Dataset):
     def __init__(self, tokenizer, text: str, block_size: int = 256):
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
         if len(ids) < block_size:
-            raise ValueError(
+            raise UserError(
                 f"the training text has {len(ids)} tokens, fewer than one block of {block_size}; "
                 "give more text or a smaller block size."
             )
@@ -119,7 +120,7 @@ def plot_training_loss(log_history: list[dict], output: str | Path) -> Path:
 
     entries = [e for e in log_history if "loss" in e]
     if not entries:
-        raise ValueError("the log history has no training loss yet.")
+        raise UserError("the log history has no training loss yet.")
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([e["step"] for e in entries], [e["loss"] for e in entries], marker="o")  # one point must show too
@@ -138,9 +139,9 @@ def resume_checkpoint(output_dir: str | Path, resume: bool) -> str | None:
 
     last = get_last_checkpoint(str(output_dir)) if Path(output_dir).is_dir() else None
     if resume and last is None:
-        raise FileNotFoundError(f"--resume: no checkpoint-N folder in {output_dir}; start without --resume.")
+        raise InputNotFoundError(f"--resume: no checkpoint-N folder in {output_dir}; start without --resume.")
     if not resume and last is not None:
-        raise FileExistsError(
+        raise OutputExistsError(
             f"{output_dir} already holds training checkpoints; pass --resume to continue, or choose a new folder."
         )
     if last is None:
@@ -208,7 +209,7 @@ def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> P
     from .monitoring import DifferentialAttentionCallback, plot_differential_attention
 
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not torch.accelerator.is_available():
-        raise ValueError(
+        raise UserError(
             "FSDP was requested (accelerate's FSDP config) but this machine has no GPU or other accelerator: "
             "accelerate shards models with FSDP only on accelerators and runs CPU processes as data parallel (DDP). "
             "On CPU, launch with a DDP config (e.g. configs/accelerate/ddp.yaml); use the FSDP config on GPUs."

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from ..errors import UserError
 from ..modeling_diff_llama import (
     LAMBDA_CHECKPOINT_RENAMES,
     DiffLlamaDecoderLayer,
@@ -66,8 +67,8 @@ def _sequences(ids: torch.Tensor, seq_len: int, max_tokens: int, plus_one: bool)
     count = min(max_tokens, len(ids) - int(plus_one)) // seq_len
     if count < 1:
         usable = min(max_tokens, len(ids))
-        raise ValueError(f"need at least {seq_len + int(plus_one)} tokens of text (one sequence), got {usable}: "
-                         "raise the token count or give a longer text")
+        raise UserError(f"need at least {seq_len + int(plus_one)} tokens of text (one sequence), got {usable}: "
+                        "raise the token count or give a longer text")
     width = seq_len + int(plus_one)
     return torch.stack([ids[i * seq_len : i * seq_len + width] for i in range(count)])
 

@@ -11,8 +11,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.utils.hub import convert_file_size_to_int
 
-from diff_llama_cli.options import ConversionOptions
-
+from ..options import ConversionOptions
 from .. import configuration_diff_llama
 from ..configuration_diff_llama import DiffLlamaConfig
 from ..corpus import CALIBRATION_MODULES, HELD_OUT_MODULES, stdlib_docstrings
@@ -22,9 +21,10 @@ from .calibration import LayerwiseRunner
 from .diff_v2 import LAMBDA_PROJ
 from .errors import ConversionError
 from ..model_card import write_model_card
-from ..resolve import clean_tokenizer_config, save_tokenizer
+from ..resolve import clean_tokenizer_config, has_tokenizer_files, save_tokenizer
 from .head_layout import HeadLayout, expand_layout, split_layout
-from .source import FLOAT_DTYPES, TOKENIZER_FILES, LlamaSource, open_source, source_gguf_type, source_license
+from .source import (FLOAT_DTYPES, TOKENIZER_FILES, LlamaSource, gguf_has_tokenizer, open_source, source_gguf_type,
+                     source_license)
 from .versions import DiffV1Conversion, DiffV2Conversion, LayerOutput, VersionConversion
 from .writer import StreamingSafetensorsWriter
 
@@ -199,15 +199,20 @@ def check_source(source: LlamaSource) -> list[str]:
 
 
 def _load_tokenizer(source: LlamaSource):
+    """The source's tokenizer, or None where it has none: a folder without tokenizer files, a GGUF file without a
+    vocabulary. A tokenizer that is there but fails to load is not a missing one: its error goes through."""
     from transformers import AutoTokenizer
 
     if source.folder is None:
         return None
-    kwargs = {"gguf_file": Path(source.description).name} if source.description.endswith(".gguf") else {}
-    try:
-        return AutoTokenizer.from_pretrained(source.folder, **kwargs)
-    except Exception:
+    if source.description.endswith(".gguf"):
+        gguf_file = Path(source.description)
+        if not gguf_has_tokenizer(gguf_file):
+            return None
+        return AutoTokenizer.from_pretrained(source.folder, gguf_file=gguf_file.name)
+    if not has_tokenizer_files(source.folder):
         return None
+    return AutoTokenizer.from_pretrained(source.folder)
 
 
 def _read_text(path: str | None, default_modules) -> str:

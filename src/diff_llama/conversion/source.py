@@ -287,13 +287,21 @@ def source_gguf_type(source: LlamaSource) -> str | None:
 def _gguf_metadata(path: Path, size: int, mtime: float) -> dict:
     from gguf import GGUFReader
 
-    # Reading the metadata parses the whole vocabulary (seconds): once per file, for the licence and the type.
+    # Reading the metadata parses the whole vocabulary (seconds): once per file, for licence, type and tokenizer.
     fields = GGUFReader(path).fields
-    return {key: fields[key].contents() for key in ("general.license", "general.file_type") if key in fields}
+    return {key: fields[key].contents() for key in ("general.license", "general.file_type", "tokenizer.ggml.model")
+            if key in fields}
+
+
+def gguf_has_tokenizer(path: Path) -> bool:
+    """Whether a GGUF file holds a vocabulary (`tokenizer.ggml.model`); a file that does not say is tried."""
+    fields = _gguf_fields(path)
+    return not fields or "tokenizer.ggml.model" in fields
 
 
 def _gguf_fields(path: Path) -> dict:
-    """The `general.license` and `general.file_type` of a GGUF file; empty where it cannot be read."""
+    """The `general.license`, `general.file_type` and `tokenizer.ggml.model` of a GGUF file; empty where it cannot be
+    read."""
     try:
         stat = path.stat()
         return _gguf_metadata(path, stat.st_size, stat.st_mtime)

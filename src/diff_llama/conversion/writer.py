@@ -65,10 +65,10 @@ class StreamingSafetensorsWriter:
 
     def _next(self, name: str, shape: tuple, dtype: torch.dtype) -> None:
         if self._position >= len(self._queue):
-            raise ConversionError(f"internal error: tensor {name} is not in the conversion plan")
+            raise RuntimeError(f"internal error: tensor {name} is not in the conversion plan")
         index, (planned, planned_shape, planned_dtype, _) = self._queue[self._position]
         if (name, tuple(shape), dtype) != (planned, planned_shape, planned_dtype):
-            raise ConversionError(
+            raise RuntimeError(
                 f"internal error: expected {planned} {planned_shape} {planned_dtype}, got {name} {tuple(shape)} {dtype}"
             )
         if index != self._open_index:
@@ -125,7 +125,7 @@ class StreamingSafetensorsWriter:
     def close(self) -> list[str]:
         if self._position != len(self._queue):
             missing = self._queue[self._position][1][0]
-            raise ConversionError(f"internal error: conversion stopped before writing {missing}")
+            raise RuntimeError(f"internal error: conversion stopped before writing {missing}")
         self._close_file()
         if len(self._file_names) > 1:
             weight_map = {

@@ -13,7 +13,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from diff_llama_cli.options import RetrievalArguments
+from ..errors import UserError
+from ..options import RetrievalArguments
 
 
 HELD_OUT_CITIES = (
@@ -126,11 +127,14 @@ def make_case(tokenizer, length: int, depth: float, num_needles: int, num_querie
     `city_pool` and `filler` (a function of (count, seed) giving sentences; default: the generated evaluation filler)
     let training recipes build cases the evaluation never shows (`TRAINING_CITIES`, other text)."""
     if not 1 <= num_queries <= num_needles:
-        raise ValueError(f"need 1 <= R <= N, got N={num_needles}, R={num_queries}")
+        raise UserError(f"setting {num_needles}x{num_queries} queries {num_queries} of {num_needles} needles; give NxR "
+                        "with 1 <= R <= N, e.g. 4x2.")
     if num_needles > len(city_pool):
-        raise ValueError(f"at most {len(city_pool)} needles")
+        raise UserError(f"{num_needles} needles is more than the {len(city_pool)} cities to hide; give at most "
+                        f"{len(city_pool)}.")
     if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth}")
+        raise UserError(f"depth {depth:g} is outside the context; give a fraction from 0 to 1 (--depths: percent "
+                        "from 0 to 100).")
     rng = random.Random(f"case-{seed}")
     cities = rng.sample(city_pool, num_needles)
     numbers = []
@@ -185,10 +189,12 @@ def make_case(tokenizer, length: int, depth: float, num_needles: int, num_querie
             high = middle - 1
     prompt, context, spans, encoding = build(low)
     if len(encoding["input_ids"]) > length:
-        raise ValueError(f"{length} tokens cannot hold {num_needles} needles and the question")
+        raise UserError(f"{length} tokens cannot hold {num_needles} needles and the question; give a longer length "
+                        "or fewer needles.")
     start = prompt.find(context)
     if start < 0:
-        raise ValueError("the chat template changed the context text; cannot locate the needles")
+        raise UserError("the chat template changed the context text, so the needles cannot be located; pass "
+                        "--no-chat-template")
     end = start + len(context)
     spans = {needle: (a + start, b + start) for needle, (a, b) in spans.items()}
     categories, seen_context = [], False

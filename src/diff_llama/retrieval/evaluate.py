@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from diff_llama_cli.options import RetrievalArguments
-
+from ..errors import UserError
+from ..options import RetrievalArguments
 from .cases import make_cases
 from .report import markdown_report, write_report
 from .scoring import map_kind, run_case
@@ -42,9 +42,9 @@ def _kept_result(line: dict, case, name: str) -> dict:
     """A result of an interrupted run, checked to be the one of `case` for model `name`."""
     fields = json.loads(json.dumps(case_fields(case)))  # as read back from JSON
     if line.get("model") != name or any(line.get(key) != value for key, value in fields.items()):
-        raise ValueError(f"cases.jsonl holds other results than this run's (at {name}, {case.seed}): the models or "
-                         "their tokenizers changed since it was interrupted; pass --overwrite to start over, or "
-                         "choose a new folder.")
+        raise UserError(f"cases.jsonl holds other results than this run's (at {name}, {case.seed}): the models or "
+                        "their tokenizers changed since it was interrupted; pass --overwrite to start over, or "
+                        "choose a new folder.")
     return {key: value for key, value in line.items() if key != "model"}
 
 
@@ -114,9 +114,9 @@ def interrupted_run(output: Path, run: dict) -> list[dict] | None:
     differ = [f"{key} {then.get(key)!r}, not {now[key]!r}" for then, now, keys in pairs for key in keys
               if then.get(key) != now[key]]
     if differ:
-        raise ValueError(f"{output} holds an interrupted evaluation with other models or options "
-                         f"({'; '.join(differ)}); pass the same ones to resume it, --overwrite to start over, or "
-                         "choose a new folder.")
+        raise UserError(f"{output} holds an interrupted evaluation with other models or options "
+                        f"({'; '.join(differ)}); pass the same ones to resume it, --overwrite to start over, or "
+                        "choose a new folder.")
     return _read_progress(output / "cases.jsonl")
 
 
@@ -131,7 +131,7 @@ def evaluate_models(models: list[str], options: RetrievalArguments, overwrite: b
         torch.set_num_threads(options.threads)
     names = options.names or [display_name(m) for m in models]
     if len(names) != len(models):
-        raise ValueError(f"{len(names)} names for {len(models)} models")
+        raise UserError(f"{len(names)} names for {len(models)} models; give one --names label per model.")
     from ..resolve import find_model, load_model
 
     for source in models:  # a missing model (or tokenizer) stops the run before its output folder is made

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from diff_llama_cli.options import RetrievalArguments
-
+from ..options import RetrievalArguments
 from .cases import CATEGORIES
 from .statistics import paired_comparison
 

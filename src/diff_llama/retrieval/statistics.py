@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from ..errors import UserError
 from .cases import CATEGORIES
 
 
@@ -50,7 +51,7 @@ def paired_comparison(first_cases: list[dict], second_cases: list[dict]) -> dict
     """Two models on the same cases: how many each alone got right, and the exact two-sided McNemar p-value (a
     binomial test on the cases where they disagree), the test for paired proportions."""
     if [c["seed"] for c in first_cases] != [c["seed"] for c in second_cases]:
-        raise ValueError("paired_comparison needs the same cases in the same order (run both with the same options)")
+        raise UserError("paired_comparison needs the same cases in the same order (run both with the same options)")
     pairs = [(a["correct"], b["correct"]) for a, b in zip(first_cases, second_cases)]
     only_first = sum(a and not b for a, b in pairs)
     only_second = sum(b and not a for a, b in pairs)
@@ -69,7 +70,7 @@ def _check_same_cases(reports: list[dict], with_lengths: bool) -> None:
     for report in reports[1:]:
         different = [k for k in same if report["options"][k] != first[k]]
         if different:
-            raise ValueError(f"reports were run with different options: {', '.join(different)}")
+            raise UserError(f"reports were run with different options: {', '.join(different)}")
 
 
 def merge_reports(reports: list[dict]) -> dict:
@@ -92,10 +93,10 @@ def join_lengths(reports: list[dict]) -> dict:
     names = [m["name"] for m in first["models"]]
     for report in reports[1:]:
         if [m["name"] for m in report["models"]] != names:
-            raise ValueError(f"reports hold different models: {names} and {[m['name'] for m in report['models']]}")
+            raise UserError(f"reports hold different models: {names} and {[m['name'] for m in report['models']]}")
     lengths = [n for report in reports for n in report["options"]["lengths"]]
     if len(set(lengths)) != len(lengths):
-        raise ValueError(f"a length appears in more than one report: {lengths}; join runs at different lengths")
+        raise UserError(f"a length appears in more than one report: {lengths}; join runs at different lengths")
     models = []
     for index, model in enumerate(first["models"]):
         joined = dict(model, cases=[c for report in reports for c in report["models"][index]["cases"]])

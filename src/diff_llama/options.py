@@ -1,17 +1,20 @@
 """The options of every `diff-llama` command, as dataclasses: each field is one command-line option.
 
-They live here, outside the `diff_llama` package, because importing `diff_llama` registers the model with
-transformers' Auto classes, which imports torch (seconds): `diff-llama COMMAND --help` builds its parser from these
-classes alone. Library functions take the same classes (`convert_llama_to_diff_llama(..., ConversionOptions(...))`,
+Library functions take the same classes (`convert_llama_to_diff_llama(..., ConversionOptions(...))`,
 `train(..., FineTuneOptions(...))`, ...), and the modules that run them re-export them, so
-`from diff_llama.training import FineTuneOptions` keeps working.
+`from diff_llama.training import FineTuneOptions` works too. The `diff-llama` command line (`diff_llama_cli`) builds its
+parsers from them.
 
-Only the standard library may be imported here.
+Only the standard library and `diff_llama.errors` may be imported here: `diff-llama COMMAND --help` loads this module
+without running the package's `__init__`, which registers the model with transformers' Auto classes and so imports
+torch (seconds).
 """
 
 import re
 from dataclasses import dataclass, field
 from typing import Literal
+
+from .errors import UserError
 
 # ---- convert ------------------------------------------------------------------------------------------------------
 
@@ -120,9 +123,9 @@ class RecoveryOptions(TrainingRunOptions):
 
     def __post_init__(self):
         if self.data and self.generate:
-            raise ValueError("give either --data or --generate, not both.")
+            raise UserError("give either --data or --generate, not both.")
         if self.max_steps <= 0 and not self.minutes > 0:
-            raise ValueError("give a budget: --minutes above 0 or --max-steps.")
+            raise UserError("give a budget: --minutes above 0 or --max-steps.")
 
     @property
     def by_time(self) -> bool:
@@ -201,10 +204,10 @@ class RetrievalArguments:
     def parsed_settings(self) -> list[tuple[int, int]]:
         result = []
         for text in self.settings:
-            parts = re.split(r"[x:,]", text.lower())
-            if len(parts) != 2:
-                raise ValueError(f"setting {text!r} is not NxR (e.g. 4x2)")
-            result.append((int(parts[0]), int(parts[1])))
+            parts = re.fullmatch(r"\s*(\d+)\s*[x:,]\s*(\d+)\s*", text.lower())
+            if parts is None:
+                raise UserError(f"setting {text!r} is not NxR; give N needles x R queried, e.g. 4x2.")
+            result.append((int(parts[1]), int(parts[2])))
         return result
 
 

@@ -1,0 +1,77 @@
+"""Running `diff-llama`: the overview, `--version`, and each command, with its errors reported.
+
+A problem with the input (`diff_llama.errors.UserError`, raised where the input is judged) reaches the terminal as one
+line that says how to fix it, with exit code 2. Anything else is a bug: it keeps its traceback, followed by one line
+asking to report it, and exits with code 1. DIFF_LLAMA_TRACEBACK=1 raises every error, user errors included.
+"""
+
+import difflib
+import importlib
+import os
+import re
+import sys
+import traceback
+
+from .command_table import COMMANDS, DESCRIPTION, PROG
+from .library import errors
+from .parser import UsageError, parse
+
+
+def version() -> str:
+    """The package version, without importing `diff_llama` (torch): from the installed metadata, else from the
+    source of `diff_llama/__init__.py` (a source tree on PYTHONPATH)."""
+    from importlib import metadata, util
+
+    spec = util.find_spec("diff_llama")  # finds a top-level package without running it
+    if spec is not None and spec.origin:
+        found = re.search(r'^__version__ = "([^"]+)"', open(spec.origin, encoding="utf-8").read(), re.MULTILINE)
+        if found:
+            return found.group(1)
+    return metadata.version("diff-llama")
+
+
+def overview() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = [f"usage: {PROG} COMMAND [options]   ({PROG} COMMAND --help for a command's options)", "", DESCRIPTION, "",
+             "commands:"]
+    lines += [f"  {name:<{width}}  {command.summary}" for name, command in COMMANDS.items()]
+    lines += ["", "options:", f"  {'-h, --help':<{width}}  show this overview and exit",
+              f"  {'--version':<{width}}  print the version and exit"]
+    return "\n".join(lines)
+
+
+def _run(argv) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(overview(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"{PROG} {version()}")
+        return 0
+    if argv[0] not in COMMANDS:
+        nearest = difflib.get_close_matches(argv[0], COMMANDS, n=1, cutoff=0.5)
+        hint = f"did you mean {nearest[0]!r}? " if nearest else ""
+        raise UsageError(f"unknown command {argv[0]!r}; {hint}commands: {', '.join(COMMANDS)}")
+    values = parse(argv[0], argv[1:])
+    commands = importlib.import_module("diff_llama.commands")  # torch: only once the arguments are known to be good
+    return getattr(commands, COMMANDS[argv[0]].run)(*values)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    prefix = f"{PROG}{' ' + argv[0] if argv and argv[0] in COMMANDS else ''}"
+    try:
+        return _run(argv)
+    except SystemExit as exit:  # argparse: --help (0) or a usage error (2), already printed
+        return exit.code
+    except KeyboardInterrupt:
+        print(f"{prefix}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if os.environ.get("DIFF_LLAMA_TRACEBACK", "") not in ("", "0"):
+            raise
+        if isinstance(error, errors.UserError):
+            print(f"{prefix}: error: {' '.join(str(error).split())}", file=sys.stderr)
+            return 2
+        traceback.print_exc()
+        print(f"{prefix}: this is a bug in diff-llama; please report it with the traceback above", file=sys.stderr)
+        return 1
