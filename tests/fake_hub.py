@@ -11,7 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class FakeHub:
-    def __init__(self):
+    def __init__(self, refuse_with: int | None = None):
+        self.refuse_with = refuse_with  # 401 or 403: how the Hub answers a token it does not accept for writing
         self.validated_cards: list[str] = []
         self.repos: dict[str, dict] = {}  # repo_id -> {"visibility": str, "files": {path: bytes}, "commits": [...]}
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -45,6 +46,9 @@ class FakeHub:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if not self.headers.get("authorization", "").startswith("Bearer "):
                     return self._reply(401, {"error": "Invalid credentials"})
+                if hub.refuse_with:
+                    return self._reply(hub.refuse_with, {"error": "Invalid credentials" if hub.refuse_with == 401
+                                                         else "You don't have the rights to create a model"})
                 parts = self.path.split("?")[0].strip("/").split("/")
                 if parts == ["api", "validate-yaml"]:  # the client checks a README's metadata before committing it
                     hub.validated_cards.append(json.loads(body)["content"])

@@ -10,6 +10,7 @@ from fake_hub import FakeHub
 from huggingface_hub import ModelCard
 
 from diff_llama.cli import main
+from diff_llama.errors import UserError
 from diff_llama.publishing import check_publishable, files_to_upload, push
 
 
@@ -149,3 +150,27 @@ def test_push_command_without_network_is_one_line_with_exit_code_2(converted, on
     assert err.count("\n") == 0 and err.startswith("diff-llama push: error: cannot push to alice/x: the Hugging Face "
                                                    f"Hub ({hub_endpoint()}) is not reachable"), err
     assert "check the network connection" in err and "push --dry-run" in err
+
+
+
+@pytest.mark.parametrize("status, said", [(401, "was not accepted (401)"), (403, "may not write to alice/x (403)")])
+def test_push_with_a_token_the_hub_refuses_is_one_line_naming_the_fix(converted, online, status, said):
+    with FakeHub(refuse_with=status) as hub:
+        with pytest.raises(UserError) as refused:
+            push(converted, "alice/x", token="hf_wrong", endpoint=hub.endpoint)
+        assert hub.repos == {}
+    message = str(refused.value)
+    assert "\n" not in message and f"the Hub says the token {said}" in message and "hf auth login" in message
+
+
+def test_push_without_any_token_is_one_line_naming_the_fix(converted, online, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    with FakeHub() as hub:
+        with pytest.raises(UserError) as refused:
+            push(converted, "alice/x", endpoint=hub.endpoint)
+        assert hub.repos == {}
+    message = str(refused.value)
+    assert "\n" not in message and "no Hugging Face token was found" in message and "hf auth login" in message

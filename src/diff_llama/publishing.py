@@ -3,6 +3,7 @@
 `files_to_upload` is exactly what `push` sends, so it can be checked without a network.
 """
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -77,6 +78,30 @@ def push(folder: str | Path, repo_id: str, *, private: bool = False, token: str 
         card = str(build_model_card(folder, repo_id=repo_id)).encode()
         operations.append(CommitOperationAdd("README.md", card))
     api = HfApi(endpoint=endpoint, token=token)
-    api.create_repo(repo_id, private=private, exist_ok=True)
-    commit = api.create_commit(repo_id, operations=operations, commit_message=commit_message)
+    with hub_refusals_explained(repo_id, token):
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        commit = api.create_commit(repo_id, operations=operations, commit_message=commit_message)
     return commit.commit_url
+
+
+@contextlib.contextmanager
+def hub_refusals_explained(repo_id: str, token: str | None):
+    """The Hub's refusals of the user's credentials as one line with the fix; any other error keeps its traceback."""
+    from huggingface_hub import get_token
+    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError
+
+    fix = (f"log in with `hf auth login`, or pass --token with a token that may write to {repo_id}, and run push "
+           "again")
+    no_token = f"cannot push to {repo_id}: no Hugging Face token was found; {fix}."
+    try:
+        yield
+    except LocalTokenNotFoundError:
+        raise UserError(no_token) from None
+    except HfHubHTTPError as error:
+        status = getattr(error.response, "status_code", None)
+        if status not in (401, 403):
+            raise
+        if not (token or get_token()):
+            raise UserError(no_token) from None
+        refused = "was not accepted (401)" if status == 401 else f"may not write to {repo_id} (403)"
+        raise UserError(f"cannot push to {repo_id}: the Hub says the token {refused}; {fix}.") from None
