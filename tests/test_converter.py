@@ -18,7 +18,7 @@ from diff_llama import DiffLlamaForCausalLM
 from diff_llama.cli import main
 from diff_llama.conversion.converter import ConversionOptions, convert_llama_to_diff_llama, diff_config_for
 from diff_llama.conversion.errors import ConversionError
-from diff_llama.conversion.head_layout import (
+from diff_llama.conversion.version1 import (
     convert_attention_weights,
     expand_layout,
     split_layout,
@@ -397,19 +397,20 @@ def test_converted_tokenizer_loads_as_a_plain_tokenizer_without_prompts(tmp_path
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_the_converters_schema_is_the_models_own(tie):
-    """The converter writes tensors from its own schema; it must be exactly what the two models' state dicts hold
-    (checkpoint names: λ vectors as `self_attn.lambda_q1`, ...)."""
+    """The converter writes tensors from its own schema; it must be exactly what the models' state dicts hold, for the
+    LLaMA and for each version (checkpoint names: λ vectors as `self_attn.lambda_q1`, ...)."""
     from transformers import LlamaForCausalLM
     from transformers.core_model_loading import revert_weight_conversion
 
-    from diff_llama.conversion.converter import OUTPUT_LAYER_TENSORS, checkpoint_schema
-    from diff_llama.conversion.head_layout import expand_layout
+    from diff_llama.conversion.base import checkpoint_schema
+    from diff_llama.conversion.version1 import DiffV1Conversion, expand_layout
+    from diff_llama.conversion.version2 import DiffV2Conversion
 
     config = LlamaConfig(vocab_size=64, hidden_size=36, intermediate_size=40, num_hidden_layers=2,
                          num_attention_heads=3, num_key_value_heads=1, tie_word_embeddings=tie)
-    diff_config = diff_config_for(config, expand_layout(3, 1))
+    v1_config, v2_config = diff_config_for(config, expand_layout(3, 1)), diff_config_for(config, None)
     with torch.device("meta"):
-        llama, diff = LlamaForCausalLM(config), DiffLlamaForCausalLM(diff_config)
+        llama, v1, v2 = LlamaForCausalLM(config), DiffLlamaForCausalLM(v1_config), DiffLlamaForCausalLM(v2_config)
 
     def stored(model):
         state = revert_weight_conversion(model, model.state_dict())
@@ -418,7 +419,8 @@ def test_the_converters_schema_is_the_models_own(tie):
         return {name: tuple(tensor.shape) for name, tensor in state.items()}
 
     assert checkpoint_schema(config) == stored(llama)
-    assert checkpoint_schema(diff_config, OUTPUT_LAYER_TENSORS) == stored(diff)
+    assert checkpoint_schema(v1_config, DiffV1Conversion.layer_tensors) == stored(v1)
+    assert checkpoint_schema(v2_config, DiffV2Conversion.layer_tensors) == stored(v2)
 
 
 def test_progress_counts_layers_with_an_eta(tmp_path, llama_dir, capsys):

@@ -8,6 +8,7 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .configuration_diff_llama import MINIMUM_TRANSFORMERS
+from .conversion.version1 import VERSION_1_OPTIONS
 
 TEMPLATE = "model_cards/diff_llama_model.md"
 HELD_OUT_TEXT = "Python standard-library docstrings, held out"
@@ -164,8 +165,6 @@ def _applicable_options(conversion: dict) -> dict:
     """The options that shaped this conversion: a DIFF V2 card leaves out those that apply to version 1 only."""
     options = dict(conversion["options"])
     if options.get("diff_version", 1) == 2:
-        from .conversion.converter import VERSION_1_OPTIONS
-
         for name in VERSION_1_OPTIONS:
             options.pop(name, None)
     return options

@@ -31,8 +31,9 @@ from transformers import TrainerCallback
 from .errors import InputNotFoundError, OutputExistsError, UserError
 from .options import FineTuneOptions, TrainingRunOptions
 
+from .conversion.base import ATTENTION_PROJECTIONS
+
 LAMBDA_MODULE = "differential_lambda"
-ATTENTION_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP_PROJECTIONS = ["gate_proj", "up_proj", "down_proj"]
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".jsonl")
 
@@ -90,7 +91,7 @@ def lora_config(rank: int = 16, alpha: int = 32, dropout: float = 0.0, include_m
         r=rank,
         lora_alpha=alpha,
         lora_dropout=dropout,
-        target_modules=ATTENTION_PROJECTIONS + (MLP_PROJECTIONS if include_mlp else []),
+        target_modules=[*ATTENTION_PROJECTIONS, *(MLP_PROJECTIONS if include_mlp else [])],
         modules_to_save=[LAMBDA_MODULE],
         task_type="CAUSAL_LM",
     )

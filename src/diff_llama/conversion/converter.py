@@ -1,4 +1,10 @@
-"""Convert a LLaMA checkpoint into a DiffLlama checkpoint, streaming one tensor (or one layer) at a time."""
+"""Convert a LLaMA checkpoint into a DiffLlama checkpoint, streaming one tensor (or one layer) at a time.
+
+`convert_llama_to_diff_llama` is the whole route, read top to bottom: check the options, open and check the source
+(source.py), choose the version once (version1.py or version2.py, both built on base.py), stream or calibrate the
+layers into the output folder (writer.py, calibration.py), then write config, remote code, tokenizer, report and
+model card. Each step finishes in its own module and returns here; none calls back into a module already left.
+"""
 
 import copy
 import json
@@ -7,94 +13,25 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
+from transformers import AutoTokenizer, GenerationConfig
 from transformers.utils.hub import convert_file_size_to_int
 
-from ..options import ConversionOptions
 from .. import configuration_diff_llama
 from ..configuration_diff_llama import DiffLlamaConfig
 from ..corpus import CALIBRATION_MODULES, HELD_OUT_MODULES, stdlib_docstrings
-from ..modeling_diff_llama import LAMBDA_VECTOR_NAMES
-from ..output_folder import AtomicOutputFolder
-from .calibration import LayerwiseRunner
-from .diff_v2 import LAMBDA_PROJ
-from .errors import ConversionError
 from ..model_card import write_model_card
+from ..options import ConversionOptions
+from ..output_folder import AtomicOutputFolder
 from ..resolve import clean_tokenizer_config, has_tokenizer_files, save_tokenizer
-from .head_layout import HeadLayout, expand_layout, split_layout
+from .base import LayerOutput, VersionConversion, checkpoint_schema
+from .calibration import LayerwiseRunner
+from .errors import ConversionError
 from .source import (FLOAT_DTYPES, TOKENIZER_FILES, LlamaSource, gguf_has_tokenizer, open_source, source_gguf_type,
                      source_license)
-from .versions import DiffV1Conversion, DiffV2Conversion, LayerOutput, VersionConversion
+from .version1 import VERSION_1_OPTIONS, DiffV1Conversion, HeadLayout, make_layout
+from .version2 import DiffV2Conversion
 from .writer import StreamingSafetensorsWriter
-
-# The checkpoint's tensor schema, in one place: the tensors of one LLaMA decoder layer in the order the converter
-# writes them (shapes: `layer_shapes`), plus the λ vectors a converted layer adds. `checkpoint_schema` extends it to
-# the whole model; a test checks it against the models' own state dicts.
-LAYER_TENSORS = (
-    "input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-    "mlp.down_proj.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-)
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-LAMBDA_VECTORS = LAMBDA_VECTOR_NAMES
-OUTPUT_LAYER_TENSORS = LAYER_TENSORS + tuple(f"self_attn.{name}" for name in LAMBDA_VECTORS)  # in write order
-OUTPUT_LAYER_TENSORS_V2 = LAYER_TENSORS + (LAMBDA_PROJ,)
-
-
-def layer_shapes(config) -> dict:
-    """Shape of every tensor of one decoder layer (LLaMA's, and the λ vectors or DIFF V2 λ projection of a DiffLlama's)."""
-    hidden, head_dim, intermediate = config.hidden_size, config.head_dim, config.intermediate_size
-    q_rows, kv_rows = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    shapes = {
-        "input_layernorm.weight": (hidden,),
-        "post_attention_layernorm.weight": (hidden,),
-        "mlp.gate_proj.weight": (intermediate, hidden),
-        "mlp.up_proj.weight": (intermediate, hidden),
-        "mlp.down_proj.weight": (hidden, intermediate),
-        "self_attn.q_proj.weight": (q_rows, hidden),
-        "self_attn.k_proj.weight": (kv_rows, hidden),
-        "self_attn.v_proj.weight": (kv_rows, hidden),
-        "self_attn.o_proj.weight": (hidden, q_rows),
-        **{f"self_attn.{name}": (head_dim,) for name in LAMBDA_VECTORS},
-    }
-    if getattr(config, "diff_version", 1) == 2:  # DIFF V2: o_proj reads the H/2 differential heads; a λ projection
-        differential_heads = config.num_attention_heads // 2
-        shapes.update({"self_attn.o_proj.weight": (hidden, differential_heads * head_dim),
-                       LAMBDA_PROJ: (differential_heads, hidden)})
-    return shapes
-
-
-def checkpoint_schema(config, layer_tensors=LAYER_TENSORS) -> dict:
-    """name -> shape of every tensor of a checkpoint, in write order: the LLaMA's with `LAYER_TENSORS`, the converted
-    model's with `OUTPUT_LAYER_TENSORS`. Tied embeddings store no lm_head."""
-    shapes = layer_shapes(config)
-    schema = {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size)}
-    for layer in range(config.num_hidden_layers):
-        schema.update({f"model.layers.{layer}.{name}": shapes[name] for name in layer_tensors})
-    schema["model.norm.weight"] = (config.hidden_size,)
-    if not config.tie_word_embeddings:
-        schema["lm_head.weight"] = (config.vocab_size, config.hidden_size)
-    return schema
-
-
-# Options that shape only a version 1 conversion: given to a DIFF V2 conversion they would be silently ignored.
-VERSION_1_OPTIONS = ("head_layout", "pad_odd_heads", "lambda_start", "calibration", "calibration_text",
-                     "calibration_tokens", "head_norm_headroom")
-
-
-def check_version_options(options: ConversionOptions) -> None:
-    """Refuse version 1 options on a DIFF V2 conversion (`--calibration none` is allowed: V2 never calibrates)."""
-    if options.diff_version != 2:
-        return
-    defaults = ConversionOptions()
-    given = [name for name in VERSION_1_OPTIONS if getattr(options, name) != getattr(defaults, name)
-             and not (name == "calibration" and options.calibration == "none")]
-    if given:
-        flags = ", ".join("--" + name.replace("_", "-") for name in given)
-        verb, pronoun = ("applies", "it") if len(given) == 1 else ("apply", "them")
-        raise ConversionError(f"{flags} only {verb} to a version 1 conversion, and DIFF V2 (--diff-version 2) is the "
-                              f"default; add --diff-version 1, or drop {pronoun}.")
 
 
 @dataclass
@@ -135,42 +72,74 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-def make_layout(source_heads: int, source_kv_heads: int, options: ConversionOptions) -> HeadLayout | None:
-    """Version 1's head layout; None for DIFF V2, whose layout is fixed (see diff_v2.py)."""
-    if options.diff_version == 2:
-        return None
-    if options.head_layout == "expand":
-        layout = expand_layout(source_heads, source_kv_heads)
-    elif options.head_layout == "split":
-        if source_heads % 2 and not options.pad_odd_heads:
-            raise ConversionError(
-                f"the LLaMA has an odd number of query heads ({source_heads}), which cannot be split into pairs; "
-                "allow padding with a zero KV group (drop --no-pad-odd-heads) or use --head-layout expand."
-            )
-        layout = split_layout(source_heads, source_kv_heads)
-    else:
-        raise ConversionError(f"unknown head layout {options.head_layout!r}; use 'expand' or 'split'.")
-    layout.validate(source_heads, source_kv_heads)
-    return layout
+def convert_llama_to_diff_llama(
+    source: str,
+    output: str,
+    options: ConversionOptions | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> ConversionReport:
+    """Convert the LLaMA at `source` (folder, .gguf file or Hub id) into a DiffLlama folder at `output`.
+
+    The input is never modified; `output` appears only once complete (it is written beside it under a hidden
+    temporary name and renamed).
+    """
+    options = options or ConversionOptions()
+    started = time.perf_counter()
+    check_options(options)
+    target = AtomicOutputFolder(output, overwrite=overwrite)  # refuses an output it may not replace before any work
+
+    src = open_source(source)
+    check_source(src)
+    version = conversion_for(src.config, options)
+    tokenizer = tokenizer_for(src, version, options)
+    runner = layerwise_runner(src, version, options, tokenizer)
+
+    with target as folder:
+        layer_diagnostics, quality = write_weights(src, version, options, runner, folder, progress)
+        write_model_files(src, version, folder, tokenizer)
+        report = ConversionReport(
+            source=src.description,
+            output=str(Path(output).absolute()),
+            options=asdict(options),
+            num_attention_heads=version.config.num_attention_heads,
+            num_key_value_heads=version.config.num_key_value_heads,
+            source_num_attention_heads=src.config.num_attention_heads,
+            source_num_key_value_heads=src.config.num_key_value_heads,
+            seconds=time.perf_counter() - started,
+            quality=quality,
+            layers=layer_diagnostics,
+            source_license=source_license(src),
+            source_gguf_type=source_gguf_type(src),
+        )
+        (folder / "conversion_report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
+        write_model_card(folder, location=report.output)
+    return report
 
 
-def conversion_for(source_config, options: ConversionOptions) -> VersionConversion:
-    """The one place the diff version is looked at: the conversion of that version, for this LLaMA."""
-    if options.diff_version == 2:
-        return DiffV2Conversion(source_config, options)
-    layout = make_layout(source_config.num_attention_heads, source_config.num_key_value_heads, options)
-    return DiffV1Conversion(source_config, options, layout)
+def check_options(options: ConversionOptions) -> None:
+    """Refuse unknown option values, and version 1 options on a DIFF V2 conversion (`--calibration none` is allowed:
+    V2 never calibrates)."""
+    if options.calibration not in ("lstsq", "scale", "none"):
+        raise ConversionError(f"unknown calibration {options.calibration!r}; use lstsq, scale or none.")
+    if options.lambda_start not in ("zero", "paper"):
+        raise ConversionError(f"unknown lambda start {options.lambda_start!r}; use zero or paper.")
+    if options.diff_version not in (1, 2):
+        raise ConversionError(f"unknown diff version {options.diff_version!r}; use 1 (the paper's) or 2 (DIFF V2).")
+    if options.diff_version != 2:
+        return
+    defaults = ConversionOptions()
+    given = [name for name in VERSION_1_OPTIONS if getattr(options, name) != getattr(defaults, name)
+             and not (name == "calibration" and options.calibration == "none")]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        verb, pronoun = ("applies", "it") if len(given) == 1 else ("apply", "them")
+        raise ConversionError(f"{flags} only {verb} to a version 1 conversion, and DIFF V2 (--diff-version 2) is the "
+                              f"default; add --diff-version 1, or drop {pronoun}.")
 
 
-def diff_config_for(source_config, layout: HeadLayout | None) -> DiffLlamaConfig:
-    """The DiffLlama config of the converted model: the LLaMA's fields with the new head counts. `layout` None: DIFF
-    V2, twice the LLaMA's query heads over its own KV heads."""
-    if layout is None:
-        return DiffV2Conversion(source_config, ConversionOptions()).config
-    return DiffV1Conversion(source_config, ConversionOptions(diff_version=1), layout).config
-
-def check_source(source: LlamaSource) -> list[str]:
-    """Every tensor the conversion needs exists with the shape the config implies; returns the plan (names)."""
+def check_source(source: LlamaSource) -> None:
+    """Every tensor the conversion needs exists with the shape the config implies, as floating-point numbers."""
     config = source.config
     if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
         raise ConversionError("LLaMA checkpoints with attention or MLP biases are not supported yet.")
@@ -195,14 +164,45 @@ def check_source(source: LlamaSource) -> list[str]:
                 f"{name} is stored as {dtype}; the converter needs floating-point weights (F32, F16, BF16). "
                 "Dequantize the checkpoint first."
             )
-    return sorted(expected)
 
 
-def _load_tokenizer(source: LlamaSource):
+def conversion_for(source_config, options: ConversionOptions) -> VersionConversion:
+    """The one place the diff version is looked at: the conversion of that version, for this LLaMA."""
+    if options.diff_version == 2:
+        return DiffV2Conversion(source_config, options)
+    layout = make_layout(source_config.num_attention_heads, source_config.num_key_value_heads, options)
+    return DiffV1Conversion(source_config, options, layout)
+
+
+def diff_config_for(source_config, layout: HeadLayout | None) -> DiffLlamaConfig:
+    """The DiffLlama config of the converted model: the LLaMA's fields with the new head counts. `layout` None: DIFF
+    V2, twice the LLaMA's query heads over its own KV heads."""
+    if layout is None:
+        return DiffV2Conversion(source_config, ConversionOptions()).config
+    return DiffV1Conversion(source_config, ConversionOptions(diff_version=1), layout).config
+
+
+def tokenizer_for(src: LlamaSource, version: VersionConversion, options: ConversionOptions):
+    """The source's tokenizer where the conversion needs it loaded, else None.
+
+    A folder's tokenizer files are copied as they are; loading the tokenizer costs time only worth paying when text is
+    encoded or the tokenizer lives inside a GGUF file.
+    """
+    runs_text = version.calibrating or options.evaluate
+    if not (runs_text or src.description.endswith(".gguf")):
+        return None
+    tokenizer = load_tokenizer(src)
+    if runs_text and tokenizer is None:
+        raise ConversionError(
+            f"{src.description} has no tokenizer, which calibration and evaluation need; add the tokenizer files or "
+            "pass --calibration none --no-evaluate."
+        )
+    return tokenizer
+
+
+def load_tokenizer(source: LlamaSource):
     """The source's tokenizer, or None where it has none: a folder without tokenizer files, a GGUF file without a
     vocabulary. A tokenizer that is there but fails to load is not a missing one: its error goes through."""
-    from transformers import AutoTokenizer
-
     if source.folder is None:
         return None
     if source.description.endswith(".gguf"):
@@ -215,7 +215,32 @@ def _load_tokenizer(source: LlamaSource):
     return AutoTokenizer.from_pretrained(source.folder)
 
 
-def _read_text(path: str | None, default_modules) -> str:
+def layerwise_runner(src: LlamaSource, version: VersionConversion, options: ConversionOptions,
+                     tokenizer) -> LayerwiseRunner | None:
+    """What runs the model layer by layer for calibration and evaluation; None when neither is asked for, and the
+    conversion is pure streaming."""
+    calibrating = version.calibrating
+    if not (calibrating or options.evaluate):
+        return None
+    source_config = copy.deepcopy(src.config)
+    source_config._attn_implementation = "sdpa"
+    run_config = copy.deepcopy(version.config)
+    run_config._attn_implementation = "sdpa"
+    encode = lambda text: tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]  # noqa: E731
+    return LayerwiseRunner(
+        source_config,
+        run_config,
+        src.get("model.embed_tokens.weight"),
+        encode(read_text(options.calibration_text, CALIBRATION_MODULES)) if calibrating else None,
+        encode(read_text(options.eval_text, HELD_OUT_MODULES)) if options.evaluate else None,
+        seq_len=options.seq_len,
+        calibration_tokens=options.calibration_tokens,
+        eval_tokens=options.eval_tokens,
+    )
+
+
+def read_text(path: str | None, default_modules) -> str:
+    """A text file's contents, or the standard-library docstrings of `default_modules` when no file is given."""
     if path is None:
         return stdlib_docstrings(default_modules)
     try:
@@ -224,129 +249,49 @@ def _read_text(path: str | None, default_modules) -> str:
         raise ConversionError(f"cannot read text file {path} ({error.strerror}).") from None
 
 
-def convert_llama_to_diff_llama(
-    source: str,
-    output: str,
-    options: ConversionOptions | None = None,
-    overwrite: bool = False,
-    progress: bool = True,
-) -> ConversionReport:
-    """Convert the LLaMA at `source` (folder, .gguf file or Hub id) into a DiffLlama folder at `output`.
-
-    The input is never modified; `output` appears only once complete (it is written beside it under a hidden
-    temporary name and renamed).
-    """
-    options = options or ConversionOptions()
-    started = time.perf_counter()
-    if options.calibration not in ("lstsq", "scale", "none"):
-        raise ConversionError(f"unknown calibration {options.calibration!r}; use lstsq, scale or none.")
-    if options.lambda_start not in ("zero", "paper"):
-        raise ConversionError(f"unknown lambda start {options.lambda_start!r}; use zero or paper.")
-    if options.diff_version not in (1, 2):
-        raise ConversionError(f"unknown diff version {options.diff_version!r}; use 1 (the paper's) or 2 (DIFF V2).")
-    check_version_options(options)
-    target = AtomicOutputFolder(output, overwrite=overwrite)  # refuses an output it may not replace before any work
-
-    src = open_source(source)
+def write_weights(src: LlamaSource, version: VersionConversion, options: ConversionOptions,
+                  runner: LayerwiseRunner | None, folder: Path, progress: bool) -> tuple[list, dict]:
+    """Write every tensor of the converted model into `folder`, layer by layer; returns the layers' calibration
+    diagnostics and the held-out quality report (empty without evaluation)."""
     config = src.config
-    names = check_source(src)
-    version = conversion_for(config, options)
-    diff_config = version.config
     out_dtype = src.get("model.norm.weight").dtype  # the converted model keeps the checkpoint's dtype
-
-    calibrating = version.calibrating
-    # A folder's tokenizer files are copied as they are; loading the tokenizer costs time only worth paying when
-    # text is encoded or the tokenizer lives inside a GGUF file.
-    needs_tokenizer = calibrating or options.evaluate or src.description.endswith(".gguf")
-    tokenizer = _load_tokenizer(src) if needs_tokenizer else None
-    if (calibrating or options.evaluate) and tokenizer is None:
-        raise ConversionError(
-            f"{src.description} has no tokenizer, which calibration and evaluation need; add the tokenizer files or "
-            "pass --calibration none --no-evaluate."
-        )
-    runner = None  # without calibration and evaluation nothing runs the model: pure streaming
-    if calibrating or options.evaluate:
-        source_config = copy.deepcopy(config)
-        source_config._attn_implementation = "sdpa"
-        run_config = copy.deepcopy(diff_config)
-        run_config._attn_implementation = "sdpa"
-        encode = lambda text: tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]  # noqa: E731
-        runner = LayerwiseRunner(
-            source_config,
-            run_config,
-            src.get("model.embed_tokens.weight"),
-            encode(_read_text(options.calibration_text, CALIBRATION_MODULES)) if calibrating else None,
-            encode(_read_text(options.eval_text, HELD_OUT_MODULES)) if options.evaluate else None,
-            seq_len=options.seq_len,
-            calibration_tokens=options.calibration_tokens,
-            eval_tokens=options.eval_tokens,
-        )
+    max_shard_bytes = convert_file_size_to_int(options.max_shard_size)
+    writer = StreamingSafetensorsWriter(folder, version.write_plan(out_dtype), max_shard_bytes)
+    out = LayerOutput(src, writer, out_dtype, config.head_dim)
+    # Layers are the unit of work (calibration takes seconds per layer, streaming milliseconds): count them, ETA.
+    bar = tqdm(total=config.num_hidden_layers, unit="layer", disable=not progress,
+               desc="converting and calibrating" if version.calibrating else "converting")
 
     layer_diagnostics = []
-    with target as folder:
-        max_shard_bytes = convert_file_size_to_int(options.max_shard_size)
-        writer = StreamingSafetensorsWriter(folder, write_plan(diff_config, out_dtype), max_shard_bytes)
-        out = LayerOutput(src, writer, out_dtype, config.head_dim)
-        # Layers are the unit of work (calibration takes seconds per layer, streaming milliseconds): count them, ETA.
-        bar = tqdm(total=config.num_hidden_layers, unit="layer", disable=not progress,
-                   desc="converting and calibrating" if calibrating else "converting")
-
-        out.copy("model.embed_tokens.weight", keep=False)
-        for layer in range(config.num_hidden_layers):
-            prefix = f"model.layers.{layer}."
-            if runner is None:  # nothing runs the model: stream, copying stored bytes wherever possible
-                version.stream_layer(layer, prefix, out)
-            else:
-                source_tensors = {name: src.get(prefix + name) for name in LAYER_TENSORS}
-                converted = {**source_tensors, **version.convert_attention(layer, source_tensors)}
-                source_layer, converted_layer = runner.build_layers(layer, source_tensors, converted)
-                diagnostics = version.fit_layer(layer, converted, runner, source_layer, converted_layer, out_dtype)
-                if diagnostics is not None:
-                    layer_diagnostics.append(diagnostics)
-                runner.advance(source_layer, converted_layer)
-                for name in version.layer_tensors:
-                    out.add(prefix + name, converted[name])
-            bar.update(1)
-
-        evaluate = options.evaluate
-        norm = out.copy("model.norm.weight", keep=evaluate)
-        if config.tie_word_embeddings:
-            lm_head = src.get("model.embed_tokens.weight") if evaluate else None
+    out.copy("model.embed_tokens.weight", keep=False)
+    for layer in range(config.num_hidden_layers):
+        if runner is None:  # nothing runs the model: stream, copying stored bytes wherever possible
+            version.stream_layer(layer, out)
         else:
-            lm_head = out.copy("lm_head.weight", keep=evaluate)
-        writer.close()
-        bar.close()
-        quality = runner.quality(norm, lm_head, config.rms_norm_eps) if options.evaluate else {}
+            diagnostics = version.run_layer(layer, out, runner)
+            if diagnostics is not None:
+                layer_diagnostics.append(diagnostics)
+        bar.update(1)
 
-        version.finish_config()
-        diff_config.save_pretrained(folder)
-        for name in configuration_diff_llama.REMOTE_CODE_FILES:  # remote code next to the weights
-            shutil.copyfile(Path(configuration_diff_llama.__file__).with_name(name), folder / name)
-        _copy_side_files(src, folder, tokenizer)
-
-        report = ConversionReport(
-            source=src.description,
-            output=str(Path(output).absolute()),
-            options=asdict(options),
-            num_attention_heads=diff_config.num_attention_heads,
-            num_key_value_heads=diff_config.num_key_value_heads,
-            source_num_attention_heads=config.num_attention_heads,
-            source_num_key_value_heads=config.num_key_value_heads,
-            seconds=time.perf_counter() - started,
-            quality=quality,
-            layers=layer_diagnostics,
-            source_license=source_license(src),
-            source_gguf_type=source_gguf_type(src),
-        )
-        (folder / "conversion_report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
-        write_model_card(folder, location=report.output)
-    return report
+    evaluate = options.evaluate
+    norm = out.copy("model.norm.weight", keep=evaluate)
+    if config.tie_word_embeddings:
+        lm_head = src.get("model.embed_tokens.weight") if evaluate else None
+    else:
+        lm_head = out.copy("lm_head.weight", keep=evaluate)
+    writer.close()
+    bar.close()
+    quality = runner.quality(norm, lm_head, config.rms_norm_eps) if evaluate else {}
+    return layer_diagnostics, quality
 
 
-def write_plan(config: DiffLlamaConfig, dtype: torch.dtype) -> list:
-    """Every output tensor (name, shape, dtype) in the order the converter writes them."""
-    layer_tensors = OUTPUT_LAYER_TENSORS_V2 if config.diff_version == 2 else OUTPUT_LAYER_TENSORS
-    return [(name, shape, dtype) for name, shape in checkpoint_schema(config, layer_tensors).items()]
+def write_model_files(src: LlamaSource, version: VersionConversion, folder: Path, tokenizer) -> None:
+    """The config, the remote code next to the weights, and the source's tokenizer and generation config."""
+    version.finish_config()
+    version.config.save_pretrained(folder)
+    for name in configuration_diff_llama.REMOTE_CODE_FILES:
+        shutil.copyfile(Path(configuration_diff_llama.__file__).with_name(name), folder / name)
+    _copy_side_files(src, folder, tokenizer)
 
 
 def _copy_side_files(src: LlamaSource, folder: Path, tokenizer) -> None:
@@ -360,8 +305,6 @@ def _copy_side_files(src: LlamaSource, folder: Path, tokenizer) -> None:
     elif tokenizer is not None:
         save_tokenizer(tokenizer, folder)
     if not (folder / "generation_config.json").exists():
-        from transformers import GenerationConfig
-
         GenerationConfig.from_model_config(src.config).save_pretrained(folder)
 
 
@@ -378,7 +321,7 @@ def _name_tokenizer_class(src: LlamaSource, folder: Path, tokenizer) -> None:
     config = json.loads(config_file.read_text(encoding="utf-8"))
     if config.get("tokenizer_class"):
         return
-    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(src)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(src)
     if tokenizer is not None:
         config["tokenizer_class"] = type(tokenizer).__name__
         config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

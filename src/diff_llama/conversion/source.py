@@ -8,9 +8,12 @@ import re
 import struct
 from pathlib import Path
 
+import huggingface_hub
 import torch
-from transformers import LlamaConfig
+from huggingface_hub.repocard import metadata_load
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
+from ..resolve import ModelNotFoundError, check_hub_model, resolve_model
 from .errors import ConversionError
 
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM"}
@@ -201,8 +204,6 @@ def _check_llama(model_type, architectures, where: str):
 
 def open_source(source: str | os.PathLike, revision: str | None = None) -> LlamaSource:
     """Open a local folder, a local `.gguf` file, `smollm2`, or a Hub repository id (see `resolve_model`)."""
-    from ..resolve import ModelNotFoundError, check_hub_model, resolve_model
-
     try:
         location = resolve_model(source)
         check_hub_model(location, revision)
@@ -216,8 +217,6 @@ def open_source(source: str | os.PathLike, revision: str | None = None) -> Llama
 
 
 def _open_gguf(path: Path) -> LlamaSource:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     unreadable = f"{path} cannot be read as a GGUF model ({{}}); if it is truncated or corrupt, download it again."
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
@@ -235,10 +234,9 @@ def _open_gguf(path: Path) -> LlamaSource:
 
 def _open_hub(repo_id: str, revision: str | None) -> LlamaSource:
     """Download the safetensors, config and tokenizer files of a Hub repository (cached), then read them locally."""
-    from huggingface_hub import snapshot_download
-
     try:
-        folder = snapshot_download(
+        # called through the module, where a test without the Hub puts its fake
+        folder = huggingface_hub.snapshot_download(
             repo_id,
             revision=revision,
             # README.md: the model card, whose metadata carries the licence the converted model inherits
@@ -275,7 +273,7 @@ def source_gguf_type(source: LlamaSource) -> str | None:
         return None
     value = _gguf_fields(Path(source.description)).get("general.file_type")
     try:
-        from gguf import LlamaFileType
+        from gguf import LlamaFileType  # optional (transformers' GGUF extra), needed only for a GGUF source
 
         name = LlamaFileType(int(value)).name
     except (ImportError, TypeError, ValueError):  # an older or unusual file: the card names the format only
@@ -285,7 +283,7 @@ def source_gguf_type(source: LlamaSource) -> str | None:
 
 @functools.lru_cache(maxsize=4)
 def _gguf_metadata(path: Path, size: int, mtime: float) -> dict:
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # optional (transformers' GGUF extra), needed only for a GGUF source
 
     # Reading the metadata parses the whole vocabulary (seconds): once per file, for licence, type and tokenizer.
     fields = GGUFReader(path).fields
@@ -310,8 +308,6 @@ def _gguf_fields(path: Path) -> dict:
 
 
 def _card_license(readme: Path) -> dict:
-    from huggingface_hub.repocard import metadata_load
-
     if not readme.is_file():
         return {}
     try:

@@ -1,4 +1,4 @@
-"""DIFF V2's exact conversion from a LLaMA (SPEC.md, "Version 2").
+"""DIFF V2's exact conversion from a LLaMA (docs/maths.md, "The exact conversion to DIFF V2").
 
 A LLaMA with H query heads and G KV heads becomes a DIFF V2 model with 2H softmax maps over the same G KV heads:
 maps 2j and 2j + 1 are both LLaMA head j, λ = sigmoid(0) = 0.5 everywhere (lambda_proj = 0) and o_proj is doubled,
@@ -10,7 +10,7 @@ two maps of a pair receive +1 and −0.5 times the same gradient signal, and lam
 
 import torch
 
-LAMBDA_PROJ = "self_attn.lambda_proj.weight"
+from .base import LAMBDA_PROJ, LAYER_TENSORS, VersionConversion, attention_projections
 
 
 def paired_query_sources(source_heads: int) -> tuple:
@@ -29,7 +29,8 @@ def zero_lambda_proj(num_differential_heads: int, hidden_size: int, dtype: torch
 
 
 def convert_attention_weights_v2(q_proj, k_proj, v_proj, o_proj, head_dim: int) -> dict:
-    """A LLaMA layer's attention weights in DIFF V2's layout, keyed by projection name (as in head_layout)."""
+    """A LLaMA layer's attention weights in DIFF V2's layout, keyed by projection name (as in version 1's
+    `convert_attention_weights`)."""
     source_heads = q_proj.shape[0] // head_dim
     blocks = q_proj.view(source_heads, head_dim, -1)
     return {
@@ -39,3 +40,28 @@ def convert_attention_weights_v2(q_proj, k_proj, v_proj, o_proj, head_dim: int) 
         "o_proj": double_o_proj(o_proj),
         "lambda_proj": zero_lambda_proj(source_heads, o_proj.shape[0], o_proj.dtype),
     }
+
+
+class DiffV2Conversion(VersionConversion):
+    """DIFF V2, exact: maps 2j and 2j+1 are LLaMA head j, λ = 0.5, o_proj doubled; nothing to fit."""
+
+    layer_tensors = LAYER_TENSORS + (LAMBDA_PROJ,)
+
+    def __init__(self, source_config, options):
+        super().__init__(source_config, options)
+        self.query_sources = paired_query_sources(source_config.num_attention_heads)
+        self.kv_sources = tuple(range(source_config.num_key_value_heads))
+
+    def heads(self) -> dict:
+        return dict(num_attention_heads=2 * self.source_config.num_attention_heads,
+                    num_key_value_heads=self.source_config.num_key_value_heads, diff_version=2)
+
+    def streamed_tensors(self, layer, prefix, src, dtype):
+        return {
+            "self_attn.o_proj.weight": double_o_proj(src.get(prefix + "self_attn.o_proj.weight")),
+            LAMBDA_PROJ: zero_lambda_proj(self.config.num_attention_heads // 2, self.config.hidden_size, dtype),
+        }
+
+    def convert_attention(self, layer, attention):
+        converted = convert_attention_weights_v2(*attention_projections(attention), self.source_config.head_dim)
+        return {f"self_attn.{name}.weight": tensor for name, tensor in converted.items()}
