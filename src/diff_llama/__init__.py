@@ -14,6 +14,7 @@ from transformers import (
 )
 
 from .configuration_diff_llama import DiffLlamaConfig
+from .differential_kernels import DifferentialAttentionInterface
 from .modeling_diff_llama import (
     DiffLlamaForCausalLM,
     DiffLlamaForQuestionAnswering,
@@ -21,7 +22,6 @@ from .modeling_diff_llama import (
     DiffLlamaForTokenClassification,
     DiffLlamaModel,
     DiffLlamaPreTrainedModel,
-    DifferentialAttentionInterface,
     differential_attention_maps,
 )
 

@@ -1,7 +1,7 @@
 # Copyright 2026 The diff-llama authors. Licensed under the Apache License, Version 2.0.
 """DiffLlama: LLaMA with differential attention (Ye et al., arXiv 2410.05258).
 
-The maths and tensor layout follow SPEC.md. Version 1 (the paper's): query heads i and i + H/2 form differential
+The maths and tensor layout follow docs/maths.md. Version 1 (the paper's): query heads i and i + H/2 form differential
 head i, both maps read the value pair V_i = concat(v_kv(i), v_kv(i + H/2)), and checkpoint names match
 transformers' built-in `diffllama`, so its checkpoints load unchanged. Version 2 (DIFF V2, `diff_version=2`): maps
 2i and 2i + 1 of one ordinary attention call are subtracted with a per-token λ = sigmoid(lambda_proj(x)).
@@ -56,27 +56,13 @@ from .compat_diff_llama import (
     slice_logits_to_keep,
 )
 from .configuration_diff_llama import REMOTE_CODE_FILES, DiffLlamaConfig
-# Besides what this file uses, the kernels, their registry and the TP layout stay importable from here (noqa: F401).
-from .differential_kernels import (  # noqa: F401
+from .differential_kernels import (
     ALL_DIFFERENTIAL_KERNELS,
-    BLOCKED_KERNEL_ROWS,
-    DIFFERENTIAL_KERNEL_DISPATCH,
-    BlockedDifferentialAttention,
-    CausalPairedAttentionCPU,
-    DifferentialAttentionInterface,
-    DifferentialKernel,
-    _block_buffer,
-    _block_masking,
-    _block_scores,
     _float32_or_wider,
-    _query_rows,
-    _score_buffer,
-    differential_decode_attention,
     eager_attention_forward,
-    generic_differential_attention,
     select_differential_kernel,
 )
-from .tensor_parallel_diff_llama import select_heads, tensor_parallel_layout  # noqa: F401
+from .tensor_parallel_diff_llama import select_heads
 
 
 class DiffLlamaMLP(LlamaMLP):
@@ -745,9 +731,4 @@ __all__ = [
     "DiffLlamaForTokenClassification",
     "DiffLlamaForQuestionAnswering",
     "differential_attention_maps",
-    "tensor_parallel_layout",
-    "DifferentialAttentionInterface",
-    "DifferentialKernel",
-    "ALL_DIFFERENTIAL_KERNELS",
-    "DIFFERENTIAL_KERNEL_DISPATCH",
 ]

@@ -1,4 +1,4 @@
-"""DIFF V2's exact conversion from a LLaMA (SPEC.md, "Version 2").
+"""DIFF V2's exact conversion from a LLaMA (docs/maths.md, "The exact conversion to DIFF V2").
 
 A LLaMA with H query heads and G KV heads becomes a DIFF V2 model with 2H softmax maps over the same G KV heads:
 maps 2j and 2j + 1 are both LLaMA head j, λ = sigmoid(0) = 0.5 everywhere (lambda_proj = 0) and o_proj is doubled,

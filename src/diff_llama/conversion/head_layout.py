@@ -44,7 +44,7 @@ class HeadLayout:
 def split_layout(source_heads: int, source_kv_heads: int) -> HeadLayout:
     """Same width as the LLaMA: LLaMA head i is the first map of differential head i, head i + H/2 the second.
 
-    Odd H gets one extra KV group of zero heads at the end (SPEC.md).
+    Odd H gets one extra KV group of zero heads at the end (docs/conversion.md).
     """
     per_kv = source_heads // source_kv_heads
     groups = list(range(source_kv_heads))
