@@ -16,6 +16,7 @@ from transformers import DynamicCache
 import diff_llama.differential_kernels as kernels
 import diff_llama.modeling_diff_llama as modeling
 from conftest import tiny_model
+from diff_llama.lambda_diff_llama import DiffLlamaLambda
 from diff_llama.differential_kernels import (
     ALL_DIFFERENTIAL_KERNELS,
     BlockedDifferentialAttention,
@@ -319,8 +320,7 @@ def test_decoding_reuses_lambda_only_while_the_vectors_are_unchanged():
     model = tiny_model(torch.float64, num_attention_heads=6, num_key_value_heads=3)
     randomise_lambdas(model)
     layers = model.config.num_hidden_layers
-    with mock.patch.object(modeling.DiffLlamaLambda, "forward", autospec=True,
-                           side_effect=modeling.DiffLlamaLambda.forward) as spy:
+    with mock.patch.object(DiffLlamaLambda, "forward", autospec=True, side_effect=DiffLlamaLambda.forward) as spy:
         model.generate(torch.randint(3, 128, (1, 5)), max_new_tokens=6, do_sample=False)
     assert spy.call_count == layers  # not once per step
     attention = model.model.layers[1].self_attn

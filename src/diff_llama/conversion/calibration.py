@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from ..lambda_diff_llama import LAMBDA_CHECKPOINT_RENAMES
 from ..modeling_diff_llama import (
-    LAMBDA_CHECKPOINT_RENAMES,
     DiffLlamaDecoderLayer,
     DiffLlamaRMSNorm,
     DiffLlamaRotaryEmbedding,

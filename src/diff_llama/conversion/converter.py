@@ -16,7 +16,7 @@ from diff_llama_cli.options import ConversionOptions
 from .. import configuration_diff_llama
 from ..configuration_diff_llama import DiffLlamaConfig
 from ..corpus import CALIBRATION_MODULES, HELD_OUT_MODULES, stdlib_docstrings
-from ..modeling_diff_llama import LAMBDA_VECTOR_NAMES
+from ..lambda_diff_llama import LAMBDA_VECTOR_NAMES
 from .calibration import LayerwiseRunner
 from .diff_v2 import LAMBDA_PROJ
 from .errors import ConversionError

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..configuration_diff_llama import DiffLlamaConfig
-from ..modeling_diff_llama import LAMBDA_VECTOR_NAMES, lambda_init_fn
+from ..lambda_diff_llama import LAMBDA_VECTOR_NAMES, lambda_init_fn
 from .calibration import CalibrationSettings, fold_head_norm_gain, weight_only_head_norm_eps
 from .diff_v2 import LAMBDA_PROJ, convert_attention_weights_v2, double_o_proj, paired_query_sources, zero_lambda_proj
 from .head_layout import HeadLayout, convert_attention_weights, gather_head_rows, permute_o_proj, zero_lambda_vectors
