@@ -80,11 +80,15 @@ class DiffLlamaFloat32Linear(nn.Linear):
     """nn.Linear computed in float32 or wider, whatever the dtype of its weight and input."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if hidden_states.dtype == self.weight.dtype and hidden_states.dtype in (torch.float32, torch.float64):
-            return super().forward(hidden_states)  # no casts: a decoding step pays for every op, no-op casts included
-        dtype = torch.promote_types(hidden_states.dtype, torch.float32)
-        bias = None if self.bias is None else self.bias.to(dtype)
-        return nn.functional.linear(hidden_states.to(dtype), self.weight.to(dtype), bias)
+        dtype = _float32_or_wider(hidden_states.dtype)
+        weight = self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
+        if hidden_states.dtype != dtype:  # a no-op cast is still an aten op, and a decoding step pays for every op
+            hidden_states = hidden_states.to(dtype)
+        if self.bias is not None:
+            return nn.functional.linear(hidden_states, weight, self.bias.to(dtype))
+        # Rows as one matrix product: nn.Linear on a 3-D input adds reshapes and views around the same product.
+        products = torch.mm(hidden_states.reshape(-1, hidden_states.shape[-1]), weight.t())
+        return products.view(*hidden_states.shape[:-1], -1)
 
 
 class DiffLlamaV2Lambda(nn.Module):

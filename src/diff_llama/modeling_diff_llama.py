@@ -78,7 +78,7 @@ class DiffLlamaRotaryEmbedding(LlamaRotaryEmbedding):
     @dynamic_rope_update
     def forward(self, x, position_ids):
         # Llama's rotary embedding, with angles in float32 or wider, so that a float64 model is float64 throughout.
-        dtype = torch.promote_types(x.dtype, torch.float32)
+        dtype = _float32_or_wider(x.dtype)  # in Python: torch.promote_types is an aten op
         freqs = position_ids[..., None].to(dtype) * self.inv_freq.to(device=x.device, dtype=dtype)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos() * self.attention_scaling
@@ -259,11 +259,11 @@ class DiffLlamaV2Attention(DiffLlamaAttentionBase):
         attn_output, attn_weights = attention_interface(
             self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
         )
-        # (batch, seq, H, d) -> (batch, seq, h, 2 maps, d): maps 2i and 2i + 1 are differential head i's pair.
-        first, second = attn_output.reshape(*hidden_states.shape[:-1], -1, 2, self.head_dim).unbind(-2)
-        lambdas = self.differential_lambda(hidden_states)[..., None]
+        # (batch, seq, H, d): maps 2i and 2i + 1 are differential head i's pair, taken as strided views (no copy).
+        first, second = attn_output[:, :, 0::2], attn_output[:, :, 1::2]
+        lambdas = self.differential_lambda(hidden_states)
         # first − λ·second in one op; addcmul promotes a bf16/fp16 pair to λ's float32.
-        return torch.addcmul(first, lambdas, second, value=-1), attn_weights
+        return torch.addcmul(first, lambdas.view(*lambdas.shape, 1), second, value=-1), attn_weights
 
     @staticmethod
     def pair_maps(maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
