@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import suite
-from diff_llama.modeling_diff_llama import BlockedDifferentialAttention
+from diff_llama.differential_kernels import BlockedDifferentialAttention
 
 
 def interleaved_median_ms(variants: dict, rounds: int = 9) -> dict:

@@ -48,7 +48,7 @@ def attention_timing(batch, dtype) -> dict:
     """Microseconds of layer 0's attention in a decoding step, and of diff-llama's own parts called alone."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from diff_llama.modeling_diff_llama import select_differential_kernel
+    from diff_llama.differential_kernels import select_differential_kernel
 
     rows = {}
     ids = torch.randint(0, 32000, (batch, 192), generator=torch.Generator().manual_seed(0))
@@ -88,7 +88,7 @@ def attention_timing(batch, dtype) -> dict:
 
 def product_timing(batch, dtype) -> dict:
     """µs of the one-token kernel's parts in each formulation, and of Llama's fused SDPA call, 192 cached tokens."""
-    from diff_llama.modeling_diff_llama import differential_decode_attention
+    from diff_llama.differential_kernels import differential_decode_attention
 
     heads, kv_heads, head_dim = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"], 64
     group, length = heads // kv_heads, 192

@@ -95,7 +95,8 @@ def build(name: str, baseline=None):
 
         model = LlamaForCausalLM(LlamaConfig(**SHAPE))
         if name == "llama floor":
-            from diff_llama.modeling_diff_llama import DiffLlamaHeadNorm, lambda_init_fn
+            from diff_llama.lambda_diff_llama import lambda_init_fn
+            from diff_llama.modeling_diff_llama import DiffLlamaHeadNorm
 
             _register_floor()
             model.config._attn_implementation = FLOOR_BACKEND

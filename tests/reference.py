@@ -1,4 +1,4 @@
-"""An independent float64 reference of DiffLlama written from the equations in SPEC.md.
+"""An independent float64 reference of DiffLlama written from the equations in docs/maths.md.
 
 It reads only the state dict and the config, loops over heads explicitly and shares no code with the model, so
 that a layout mistake in the model (wrong head pairing, wrong value half, wrong λ_init) cannot hide in both.
@@ -47,7 +47,7 @@ def softmax_maps(q, k, allowed, d):
 
 
 def checkpoint_state_dict(model):
-    """The model's weights under the SPEC's checkpoint names (what save_pretrained writes), e.g. `self_attn.lambda_q1`."""
+    """The model's weights under their checkpoint names (what save_pretrained writes), e.g. `self_attn.lambda_q1`."""
     from transformers.core_model_loading import revert_weight_conversion
 
     return revert_weight_conversion(model, model.state_dict())

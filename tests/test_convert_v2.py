@@ -1,4 +1,4 @@
-"""`diff-llama convert --diff-version 2`: the exact conversion of SPEC.md's "Version 2", on real (small, random)
+"""`diff-llama convert --diff-version 2`: the exact conversion of docs/maths.md ("The exact conversion to DIFF V2"), on real (small, random)
 LLaMA checkpoints written by transformers."""
 
 import json

@@ -25,7 +25,8 @@ from diff_llama.conversion.version1 import (
     zero_lambda_vectors,
 )
 from diff_llama.evaluation import perplexity
-from diff_llama.modeling_diff_llama import DiffLlamaAttention, lambda_init_fn
+from diff_llama.lambda_diff_llama import lambda_init_fn
+from diff_llama.modeling_diff_llama import DiffLlamaAttention
 
 # ---- the head layout, checked against LLaMA's own attention ---------------------------------------------------
 

@@ -15,7 +15,7 @@ import torch
 
 import diff_llama.differential_kernels as modeling  # BLOCKED_KERNEL_ROWS is read there
 from conftest import differential_model, padded_labels, prefill_then_decode, random_batch
-from diff_llama.modeling_diff_llama import ALL_DIFFERENTIAL_KERNELS, select_differential_kernel
+from diff_llama.differential_kernels import ALL_DIFFERENTIAL_KERNELS, select_differential_kernel
 from reference import checkpoint_state_dict, reference_forward
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,10 +1,11 @@
 """The differential kernels and their dispatch: every kernel against the float64 reference, forward and gradients.
 
-The kernel-level checks compare with a per-head float64 implementation written from SPEC.md with the reference's
+The kernel-level checks compare with a per-head float64 implementation written from docs/maths.md with the reference's
 softmax (`reference.softmax_maps`), differentiable in q, k, v and λ; the model-level checks compare logits with
 `reference.reference_forward` and gradients with the eager generic path.
 """
 
+import contextlib
 import math
 from unittest import mock
 
@@ -15,7 +16,8 @@ from transformers import DynamicCache
 import diff_llama.differential_kernels as kernels
 import diff_llama.modeling_diff_llama as modeling
 from conftest import tiny_model
-from diff_llama.modeling_diff_llama import (
+from diff_llama.lambda_diff_llama import DiffLlamaLambda
+from diff_llama.differential_kernels import (
     ALL_DIFFERENTIAL_KERNELS,
     BlockedDifferentialAttention,
     DifferentialAttentionInterface,
@@ -27,7 +29,7 @@ from conftest import LAYOUTS, padded_labels, prefill_then_decode, random_batch, 
 
 
 def per_head_differential(query, key, value, lam, allowed):
-    """SPEC's version-1 heads before the norm, head by head: (A1 − λ·A2)·[v_kv(i), v_kv(i + H/2)], as
+    """docs/maths.md's version-1 heads before the norm, head by head: (A1 − λ·A2)·[v_kv(i), v_kv(i + H/2)], as
     (batch, q, H/2, 2d). `allowed`: (batch, q, k) bool."""
     batch, heads, _, d = query.shape
     n_rep = heads // key.shape[1]
@@ -54,6 +56,22 @@ def kernel_inputs(heads, kv_heads, query_len, key_len, seed=0, dtype=torch.float
     value = torch.randn(2, kv_heads, key_len, 8, generator=generator, dtype=dtype).repeat_interleave(expansion, 1)
     lam = torch.tensor(0.37, dtype=dtype)
     return [t.requires_grad_() for t in (query, key, value, lam)]
+
+
+@contextlib.contextmanager
+def blocks_of(rows: int):
+    """The blocked kernel with `rows` query rows per block; yields the list of the (start, stop) query blocks its
+    forward passes score, so that a test can check that it really ran several blocks."""
+    blocks = []
+
+    def recorded_block_scores(*args):
+        blocks.append(args[4:6])
+        return block_scores(*args)
+
+    block_scores = kernels._block_scores
+    with mock.patch.object(kernels, "BLOCKED_KERNEL_ROWS", rows), \
+            mock.patch.object(kernels, "_block_scores", recorded_block_scores):
+        yield blocks
 
 
 def padding_allowed(query_len, key_len, padded=3):
@@ -89,8 +107,9 @@ def test_blocked_kernel_matches_reference_forward_and_gradients(heads, kv_heads,
         mask = allowed[:, None]
         if mask_kind == "additive":
             mask = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, torch.finfo(torch.float64).min)
-    with mock.patch.object(modeling, "BLOCKED_KERNEL_ROWS", block):
+    with blocks_of(block) as blocks:
         output, weights = ALL_DIFFERENTIAL_KERNELS["blocked"](module, query, key, value, mask, lam)
+    assert blocks == [(start, min(start + block, query_len)) for start in range(0, query_len, block)]
     # Fully masked (padded) query rows have no defined output; the reference lets them see every key (no NaN).
     expected = per_head_differential(query, key, value, lam, allowed | ~rows[:, :, None])
     assert weights is None and output.shape == (2, query_len, heads // 2, 16)
@@ -109,8 +128,9 @@ def test_blocked_kernel_skips_future_columns_only_when_the_mask_hides_them():
     allowed = torch.ones(8, 8, dtype=torch.bool).tril()[None].repeat(2, 1, 1)
     allowed[:, 0, 7] = True  # query 0 also sees the last key
     module = mock.Mock(scaling=8**-0.5)
-    with mock.patch.object(modeling, "BLOCKED_KERNEL_ROWS", 2), torch.no_grad():
+    with blocks_of(2) as blocks, torch.no_grad():
         output, _ = ALL_DIFFERENTIAL_KERNELS["blocked"](module, query, key, value, allowed[:, None], lam)
+        assert len(blocks) == 4
         expected = per_head_differential(query, key, value, lam, allowed)
     torch.testing.assert_close(output, expected, rtol=0, atol=1e-12)
 
@@ -172,9 +192,10 @@ def test_blocked_training_with_padding_gives_eager_gradients(heads, kv_heads):
         randomise_lambdas(model)
         model.set_attn_implementation(attn)
         model.set_differential_kernel(kernel)
-        with mock.patch.object(modeling, "BLOCKED_KERNEL_ROWS", 4):
+        with blocks_of(4) as blocks:
             loss = model(input_ids, attention_mask=attention_mask, labels=labels).loss
             loss.backward()
+        assert attn == "eager" or len(blocks) == 2 * 4 * model.config.num_hidden_layers  # forward and backward
         grads[attn] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
     torch.testing.assert_close(grads["sdpa"][0], grads["eager"][0], rtol=0, atol=1e-12)
     for name, grad in grads["eager"][1].items():
@@ -195,8 +216,9 @@ def test_blocked_kernel_in_low_precision_stays_near_the_reference(dtype, atol):
     errors = {}
     for kernel in ("blocked", "generic"):
         model.set_differential_kernel(kernel)
-        with torch.no_grad(), mock.patch.object(modeling, "BLOCKED_KERNEL_ROWS", 16):
+        with torch.no_grad(), blocks_of(16) as blocks:
             logits = model(input_ids, attention_mask=attention_mask).logits
+        assert kernel == "generic" or len(blocks) == 3 * model.config.num_hidden_layers
         errors[kernel] = (logits[real].double() - expected[real]).abs().max().item()
     assert errors["blocked"] <= atol
     assert errors["blocked"] <= 1.5 * errors["generic"] + 1e-6
@@ -298,8 +320,7 @@ def test_decoding_reuses_lambda_only_while_the_vectors_are_unchanged():
     model = tiny_model(torch.float64, num_attention_heads=6, num_key_value_heads=3)
     randomise_lambdas(model)
     layers = model.config.num_hidden_layers
-    with mock.patch.object(modeling.DiffLlamaLambda, "forward", autospec=True,
-                           side_effect=modeling.DiffLlamaLambda.forward) as spy:
+    with mock.patch.object(DiffLlamaLambda, "forward", autospec=True, side_effect=DiffLlamaLambda.forward) as spy:
         model.generate(torch.randint(3, 128, (1, 5)), max_new_tokens=6, do_sample=False)
     assert spy.call_count == layers  # not once per step
     attention = model.model.layers[1].self_attn

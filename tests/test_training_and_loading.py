@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from conftest import SAMPLE_TEXT, differential_model, random_batch, tiny_config, tiny_model
 from diff_llama import DiffLlamaForCausalLM
-from diff_llama.modeling_diff_llama import BlockedDifferentialAttention, CausalPairedAttentionCPU
+from diff_llama.differential_kernels import BlockedDifferentialAttention, CausalPairedAttentionCPU
 
 
 # Also run on the oldest supported transformers (scripts/run_oldest_transformers_tests.sh).

@@ -15,6 +15,7 @@ from transformers import (
 
 from . import errors, options  # noqa: F401  (torch-free; the command line may have imported them already)
 from .configuration_diff_llama import DiffLlamaConfig
+from .differential_kernels import DifferentialAttentionInterface
 from .modeling_diff_llama import (
     DiffLlamaForCausalLM,
     DiffLlamaForQuestionAnswering,
@@ -22,7 +23,6 @@ from .modeling_diff_llama import (
     DiffLlamaForTokenClassification,
     DiffLlamaModel,
     DiffLlamaPreTrainedModel,
-    DifferentialAttentionInterface,
     differential_attention_maps,
 )
 

@@ -36,6 +36,7 @@ REMOTE_CODE_FILES = (
     "configuration_diff_llama.py",
     "modeling_diff_llama.py",
     "differential_kernels.py",
+    "lambda_diff_llama.py",
     "tensor_parallel_diff_llama.py",
     "compat_diff_llama.py",
 )

@@ -83,15 +83,16 @@ def differential_decode_attention(
     if attention_mask is not None:
         view = scores.view(batch, kv_heads, group, key_len)
         if attention_mask.dtype == torch.bool:
-            scores = torch.where(attention_mask, view, torch.finfo(scores.dtype).min).view_as(scores)
+            view.masked_fill_(~attention_mask, torch.finfo(scores.dtype).min)  # in place: 2 ops, where takes 5
         else:
-            scores = (view + attention_mask).view_as(scores)
+            scores = (view + attention_mask).view(scores.shape)
     softmax_dtype = _float32_or_wider(query.dtype)
     # softmax's dtype argument costs an op even when it changes nothing
     maps = torch.softmax(scores, -1) if scores.dtype == softmax_dtype else torch.softmax(scores, -1, dtype=softmax_dtype)
     # A1 − λ·A2 first, as the blocked kernel does: the first half of the query heads reads the first half of the key
     # heads, so map 1 of differential head (G/2 position p, group row r) sits at [:, 0, p, r], map 2 at [:, 1, p, r].
-    first, second = maps.view(batch, 2, half * group, key_len).unbind(1)
+    pairs = maps.view(batch, 2, half * group, key_len)
+    first, second = pairs[:, 0], pairs[:, 1]  # unbind costs an op more
     differential = torch.addcmul(first, second, lambda_full, value=-1)  # a 0-d λ keeps the maps' dtype
     if differential.dtype != value.dtype:
         differential = differential.to(value.dtype)  # bf16/fp16: the product on the low-precision units

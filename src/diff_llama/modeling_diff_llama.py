@@ -1,16 +1,18 @@
 # Copyright 2026 The diff-llama authors. Licensed under the Apache License, Version 2.0.
 """DiffLlama: LLaMA with differential attention (Ye et al., arXiv 2410.05258).
 
-The maths and tensor layout follow SPEC.md. Version 1 (the paper's): query heads i and i + H/2 form differential
+The maths and tensor layout follow docs/maths.md. Version 1 (the paper's): query heads i and i + H/2 form differential
 head i, both maps read the value pair V_i = concat(v_kv(i), v_kv(i + H/2)), and checkpoint names match
 transformers' built-in `diffllama`, so its checkpoints load unchanged. Version 2 (DIFF V2, `diff_version=2`): maps
 2i and 2i + 1 of one ordinary attention call are subtracted with a per-token λ = sigmoid(lambda_proj(x)).
 
-The differential kernels and their dispatch live in `differential_kernels.py`, the tensor-parallel layout and plan
-styles in `tensor_parallel_diff_llama.py`, and what differs between the supported transformers versions (the KV
-cache's name above all) in `compat_diff_llama.py`. This file and those siblings import only torch, transformers and each other
-(relative imports), so `save_pretrained` copies them next to the weights and a saved model loads as remote code
-(`trust_remote_code=True`) where this package is not installed.
+The decoder layer, the model and the causal LM are transformers' Llama classes with DiffLlama's modules; this file adds
+the differential attention. The differential kernels and their dispatch live in `differential_kernels.py`, λ's modules
+and checkpoint names in `lambda_diff_llama.py`, the tensor-parallel layout and plan styles in
+`tensor_parallel_diff_llama.py`, and what differs between the supported transformers versions (the KV cache's name) in
+`compat_diff_llama.py`. This file and those siblings import only torch, transformers and each other (relative imports),
+so `save_pretrained` copies them next to the weights and a saved model loads as remote code (`trust_remote_code=True`)
+where this package is not installed.
 """
 
 # First: on a transformers too old for the imports below, the configuration refuses it in one line.
@@ -25,65 +27,43 @@ import torch
 from torch import nn
 
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
-from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.core_model_loading import WeightRenaming
-from transformers.generation import GenerationMixin
+from transformers.cache_utils import Cache
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
     GenericForSequenceClassification,
     GenericForTokenClassification,
-    GradientCheckpointingLayer,
 )
 from transformers.modeling_rope_utils import dynamic_rope_update
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
     LlamaMLP,
+    LlamaModel,
+    LlamaPreTrainedModel,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
     repeat_kv,
 )
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
-from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import capture_outputs
+from transformers.utils import TransformersKwargs
 
-from .compat_diff_llama import (
-    CACHE_NAME,
-    accepts_past_key_values,
-    cache_kwargs,
-    causal_mask,
-    output_cache,
-    slice_logits_to_keep,
-)
+from .compat_diff_llama import accepts_either_cache_name
 from .configuration_diff_llama import REMOTE_CODE_FILES, DiffLlamaConfig
-# Besides what this file uses, the kernels, their registry and the TP layout stay importable from here (noqa: F401).
-from .differential_kernels import (  # noqa: F401
+from .differential_kernels import (
     ALL_DIFFERENTIAL_KERNELS,
-    BLOCKED_KERNEL_ROWS,
-    DIFFERENTIAL_KERNEL_DISPATCH,
-    BlockedDifferentialAttention,
-    CausalPairedAttentionCPU,
-    DifferentialAttentionInterface,
-    DifferentialKernel,
-    _block_buffer,
-    _block_masking,
-    _block_scores,
     _float32_or_wider,
-    _query_rows,
-    _score_buffer,
-    differential_decode_attention,
     eager_attention_forward,
-    generic_differential_attention,
     select_differential_kernel,
 )
-from .tensor_parallel_diff_llama import select_heads, tensor_parallel_layout  # noqa: F401
-
-
-class DiffLlamaMLP(LlamaMLP):
-    pass
+from .lambda_diff_llama import (
+    LAMBDA_VECTOR_NAMES,
+    DiffLlamaLambda,
+    DiffLlamaV2Lambda,
+    load_lambda_under_checkpoint_names,
+)
+from .tensor_parallel_diff_llama import select_heads
 
 
 class DiffLlamaRMSNorm(LlamaRMSNorm):
@@ -101,79 +81,12 @@ class DiffLlamaRotaryEmbedding(LlamaRotaryEmbedding):
     @dynamic_rope_update
     def forward(self, x, position_ids):
         # Llama's rotary embedding, with angles in float32 or wider, so that a float64 model is float64 throughout.
-        dtype = torch.promote_types(x.dtype, torch.float32)
+        dtype = _float32_or_wider(x.dtype)  # in Python: torch.promote_types is an aten op
         freqs = position_ids[..., None].to(dtype) * self.inv_freq.to(device=x.device, dtype=dtype)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
-
-
-def lambda_init_fn(layer_idx: int) -> float:
-    """The paper's depth-dependent λ_init(l) = 0.8 - 0.6 * exp(-0.3 * l), l counted from 0."""
-    return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
-
-
-LAMBDA_VECTOR_NAMES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
-# In memory λ's parameters live in a small module (`self_attn.differential_lambda`), so that PEFT can train and save
-# them with `modules_to_save`; on disk they keep the names each version's checkpoints have: the built-in model's
-# `self_attn.lambda_q1`, ... for version 1, the reference code's `self_attn.lambda_proj` for DIFF V2. transformers
-# applies this renaming when loading and reverts it when saving.
-LAMBDA_CHECKPOINT_NAMES = {1: LAMBDA_VECTOR_NAMES, 2: ("lambda_proj",)}
-# transformers looks renamings up by model type (or class name), which both versions share. One renaming with the
-# names as alternatives therefore serves both: every model registers only renamings its own checkpoints' keys match
-# (transformers' `test_reverse_loading_mapping` fails a renaming that matches no key of a saved model).
-LAMBDA_CHECKPOINT_RENAMES = {
-    rf"\.self_attn\.({'|'.join(name for names in LAMBDA_CHECKPOINT_NAMES.values() for name in names)})": (
-        r".self_attn.differential_lambda.\1"
-    )
-}
-register_checkpoint_conversion_mapping(
-    "diff_llama", [WeightRenaming(disk, memory) for disk, memory in LAMBDA_CHECKPOINT_RENAMES.items()], overwrite=True
-)
-
-
-def load_lambda_under_checkpoint_names(module, state_dict, prefix, *args) -> None:
-    """A `load_state_dict` pre-hook of the attention modules: λ tensors under their checkpoint names (what
-    `save_pretrained` writes) load into `differential_lambda`. `from_pretrained` renames them itself, but the Trainer
-    resumes a checkpoint, and accelerate or a user may load one, with a plain non-strict `load_state_dict`, which
-    would otherwise leave λ silently at its old values."""
-    checkpoint_names = {name for names in LAMBDA_CHECKPOINT_NAMES.values() for name in names}
-    for key in [key for key in state_dict if key.startswith(prefix)]:
-        name = key[len(prefix):]
-        if name.split(".", 1)[0] in checkpoint_names:
-            state_dict.setdefault(f"{prefix}differential_lambda.{name}", state_dict.pop(key))
-
-
-class DiffLlamaLambda(nn.Module):
-    """λ of one layer: exp(λ_q1·λ_k1) - exp(λ_q2·λ_k2) + λ_init, from four learned vectors of length head_dim."""
-
-    def __init__(self, head_dim: int, layer_idx: int):
-        super().__init__()
-        self.lambda_init = lambda_init_fn(layer_idx)
-        self.lambda_q1 = nn.Parameter(torch.zeros(head_dim))
-        self.lambda_k1 = nn.Parameter(torch.zeros(head_dim))
-        self.lambda_q2 = nn.Parameter(torch.zeros(head_dim))
-        self.lambda_k2 = nn.Parameter(torch.zeros(head_dim))
-
-    def forward(self) -> torch.Tensor:
-        """λ as a scalar tensor in float32 (or float64 for a float64 model): never in half precision, where exp() of
-        a dot product loses the small λ updates."""
-        dtype = _float32_or_wider(self.lambda_q1.dtype)
-        dot1 = torch.dot(self.lambda_q1.to(dtype), self.lambda_k1.to(dtype))
-        dot2 = torch.dot(self.lambda_q2.to(dtype), self.lambda_k2.to(dtype))
-        return torch.exp(dot1) - torch.exp(dot2) + self.lambda_init
-
-
-class DiffLlamaFloat32Linear(nn.Linear):
-    """nn.Linear computed in float32 or wider, whatever the dtype of its weight and input."""
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if hidden_states.dtype == self.weight.dtype and hidden_states.dtype in (torch.float32, torch.float64):
-            return super().forward(hidden_states)  # no casts: a decoding step pays for every op, no-op casts included
-        dtype = torch.promote_types(hidden_states.dtype, torch.float32)
-        bias = None if self.bias is None else self.bias.to(dtype)
-        return nn.functional.linear(hidden_states.to(dtype), self.weight.to(dtype), bias)
 
 
 class DiffLlamaHeadNorm(nn.RMSNorm):
@@ -198,61 +111,32 @@ class DiffLlamaHeadNorm(nn.RMSNorm):
         return cached[1]
 
 
-class DiffLlamaV2Lambda(nn.Module):
-    """DIFF V2's λ: sigmoid(lambda_proj(x)) per token and differential head, from the attention block's input."""
+class DiffLlamaAttentionBase(nn.Module):
+    """What both versions share, as in Llama's attention: the q/k/v/o projections, RoPE, the KV cache and, under tensor
+    parallelism, the key/value heads this rank reads. A version supplies `differential_heads`: the attention between
+    the cache and `o_proj`. (Not a LlamaAttention: DIFF V2's `o_proj` reads H/2 heads, and Llama's forward has no
+    seam between the cache and `o_proj`.)"""
 
-    def __init__(self, hidden_size: int, num_differential_heads: int):
-        super().__init__()
-        self.lambda_proj = DiffLlamaFloat32Linear(hidden_size, num_differential_heads, bias=False)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """(batch, seq, h) in float32 or wider: the subtraction it weights cancels much of the signal. `lambda_proj`
-        is called, not read: offloading hooks (`device_map` with disk or CPU offload) bring its weight in on call."""
-        return torch.sigmoid(self.lambda_proj(hidden_states))
-
-
-class DiffLlamaAttention(nn.Module):
-    """Differential attention: out_i = (1 - λ_init) * RMSNorm((A1 - λ A2) V_i) for differential head i.
-
-    Both softmax maps of every pair come from one call of the configured attention backend per value half,
-    so eager, SDPA, flex and flash kernels all compute the exact maps. Key/value heads are expanded only as
-    far as needed for each half of the query heads to see whole GQA groups: not at all for even G, and to
-    2 heads for G = 1. That is what lets odd G and multi-query models run.
-    """
-
-    def __init__(self, config: DiffLlamaConfig, layer_idx: int):
+    def __init__(self, config: DiffLlamaConfig, layer_idx: int, num_key_value_groups: int, output_heads: int):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads
+        # GQA seen by the attention backend: query heads per key/value head it is handed.
+        self.num_key_value_groups = num_key_value_groups
         self.scaling = self.head_dim**-0.5
         self.is_causal = True
-        # GQA seen by the attention backend: query heads per (expanded) key/value head. It must divide H/2 so
-        # that no key/value head is shared across the two halves of the query heads.
-        query_heads_per_kv = config.num_attention_heads // config.num_key_value_heads
-        self.num_key_value_groups = math.gcd(query_heads_per_kv, config.num_attention_heads // 2)
-        self.kv_expansion = query_heads_per_kv // self.num_key_value_groups
         # Set by tensor parallelism when each rank keeps only some of the (replicated) key/value heads.
         self.tp_key_value_heads: tuple[int, ...] | None = None
 
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(
-            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
-        )
-        self.v_proj = nn.Linear(
-            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
-        )
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
-
-        self.differential_lambda = DiffLlamaLambda(self.head_dim, layer_idx)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(output_heads * self.head_dim, config.hidden_size, bias=bias)
         self.register_load_state_dict_pre_hook(load_lambda_under_checkpoint_names)
-        # The paper's per-head normalisation over the 2d-wide output; it has no affine weight. Its epsilon is
-        # rms_norm_eps unless the config sets head_norm_eps (converted LLaMAs do: see the converter).
-        eps = config.head_norm_epsilon(layer_idx)
-        self.head_norm = DiffLlamaHeadNorm(2 * self.head_dim, eps=eps, elementwise_affine=False)
 
-    @accepts_past_key_values
+    @accepts_either_cache_name
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -262,8 +146,17 @@ class DiffLlamaAttention(nn.Module):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states, key_states, value_states = self.project(hidden_states, position_embeddings, cache, kwargs)
+        attn_output, attn_weights = self.differential_heads(
+            hidden_states, query_states, key_states, value_states, attention_mask, cache, **kwargs
+        )
+        if attn_output.dtype != hidden_states.dtype:  # a no-op .to() is still an aten op
+            attn_output = attn_output.to(hidden_states.dtype)
+        return self.o_proj(attn_output.reshape(*input_shape, -1)), attn_weights
 
+    def project(self, hidden_states, position_embeddings, cache, kwargs):
+        """Llama's queries (batch, H, q, d), and the keys and values (batch, G, k, d) after RoPE and the cache."""
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -273,27 +166,58 @@ class DiffLlamaAttention(nn.Module):
 
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+        return query_states, key_states, value_states
 
-        key_states = repeat_kv(key_states, self.kv_expansion)
-        value_states = repeat_kv(value_states, self.kv_expansion)
+    def differential_heads(self, hidden_states, query, key, value, attention_mask, cache, **kwargs):
+        """(batch, q, h, width) differential heads' outputs, before `o_proj`, and the softmax maps when there are."""
+        raise NotImplementedError
 
+    @classmethod
+    def combine_maps(cls, maps: torch.Tensor, lambdas: torch.Tensor) -> torch.Tensor:
+        """Softmax maps (batch, H, q, k) and this layer's λ -> differential maps A1 − λ·A2, (batch, h, q, k), in
+        float32 or wider: λ a scalar (version 1) or (batch, q, h) per token (DIFF V2)."""
+        dtype = torch.promote_types(maps.dtype, torch.float32)
+        first, second = cls.pair_maps(maps.to(dtype))
+        lambdas = torch.as_tensor(lambdas, dtype=dtype, device=maps.device)
+        if lambdas.dim():
+            lambdas = lambdas.transpose(1, 2)[..., None]  # per token: (batch, h, q, 1)
+        return first - lambdas * second
+
+
+class DiffLlamaAttention(DiffLlamaAttentionBase):
+    """Differential attention: out_i = (1 - λ_init) * RMSNorm((A1 - λ A2) V_i) for differential head i.
+
+    Both softmax maps of every pair come from one differential kernel (`differential_kernels.py`), so eager, SDPA,
+    flex and flash kernels all compute the exact maps. Key/value heads are expanded only as far as needed for each
+    half of the query heads to see whole GQA groups: not at all for even G, and to 2 heads for G = 1. That is what
+    lets odd G and multi-query models run.
+    """
+
+    def __init__(self, config: DiffLlamaConfig, layer_idx: int):
+        # No key/value head may be shared across the two halves of the query heads: the backend's GQA group must
+        # divide H/2, and the key/value heads are repeated up to it.
+        heads = config.num_attention_heads
+        query_heads_per_kv = heads // config.num_key_value_heads
+        super().__init__(config, layer_idx, math.gcd(query_heads_per_kv, heads // 2), output_heads=heads)
+        self.num_heads = heads
+        self.kv_expansion = query_heads_per_kv // self.num_key_value_groups
+        self.differential_lambda = DiffLlamaLambda(self.head_dim, layer_idx)
+        # The paper's per-head normalisation over the 2d-wide output; it has no affine weight. Its epsilon is
+        # rms_norm_eps unless the config sets head_norm_eps (converted LLaMAs do: see the converter).
+        eps = config.head_norm_epsilon(layer_idx)
+        self.head_norm = DiffLlamaHeadNorm(2 * self.head_dim, eps=eps, elementwise_affine=False)
+
+    def differential_heads(self, hidden_states, query, key, value, attention_mask, cache, **kwargs):
+        key, value = repeat_kv(key, self.kv_expansion), repeat_kv(value, self.kv_expansion)
         # λ in float32 (or wider): the subtraction cancels most of the signal, whatever the model dtype.
         lambda_full = self._lambda(cache)
-        kernel = select_differential_kernel(self, query_states, key_states, attention_mask)
-        attn_output, attn_weights = kernel(
-            self, query_states, key_states, value_states, attention_mask, lambda_full, **kwargs
-        )
-
+        kernel = select_differential_kernel(self, query, key, attention_mask)
+        attn_output, attn_weights = kernel(self, query, key, value, attention_mask, lambda_full, **kwargs)
         attn_output = self.head_norm(attn_output)
         # x·(1 − λ_init) as x + (−λ_init)·x: one aten op, where multiplying by a Python number takes five.
-        attn_output = torch.add(attn_output, attn_output, alpha=-self.differential_lambda.lambda_init)
-        if attn_output.dtype != hidden_states.dtype:  # a no-op .to() is still an aten op
-            attn_output = attn_output.to(hidden_states.dtype)
-        attn_output = self.o_proj(attn_output.reshape(*input_shape, -1))
-        return attn_output, attn_weights
+        return torch.add(attn_output, attn_output, alpha=-self.differential_lambda.lambda_init), attn_weights
 
     def _lambda(self, cache: Cache | None) -> torch.Tensor:
         """This layer's λ. Decoding without autograd reuses the λ computed earlier with the same cache (one
@@ -316,16 +240,8 @@ class DiffLlamaAttention(nn.Module):
         """Softmax maps (batch, H, q, k) -> (A1, A2) of every differential head i: maps i and i + H/2."""
         return maps.chunk(2, dim=1)
 
-    @classmethod
-    def combine_maps(cls, maps: torch.Tensor, lambdas: torch.Tensor) -> torch.Tensor:
-        """Softmax maps (batch, H, q, k) and this layer's λ (a scalar) -> differential maps A_i − λ·A_{i+H/2},
-        (batch, H/2, q, k), in float32 or wider."""
-        dtype = torch.promote_types(maps.dtype, torch.float32)
-        first, second = cls.pair_maps(maps.to(dtype))
-        return first - torch.as_tensor(lambdas, dtype=dtype, device=maps.device) * second
 
-
-class DiffLlamaV2Attention(nn.Module):
+class DiffLlamaV2Attention(DiffLlamaAttentionBase):
     """DIFF V2: out_{t,i} = O_{t,2i} − λ_{t,i}·O_{t,2i+1}, O = one ordinary attention call over all H query heads.
 
     Keys, values and the KV cache are exactly a LLaMA's (G heads of width d); every backend (eager, SDPA, flex,
@@ -334,150 +250,57 @@ class DiffLlamaV2Attention(nn.Module):
     """
 
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.head_dim = config.head_dim
-        self.num_differential_heads = config.num_attention_heads // 2
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim**-0.5
-        self.is_causal = True
-        # Set by tensor parallelism when each rank keeps only some of the (replicated) key/value heads.
-        self.tp_key_value_heads: tuple[int, ...] | None = None
-
-        self.q_proj = nn.Linear(
-            config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias
-        )
-        self.k_proj = nn.Linear(
-            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
-        )
-        self.v_proj = nn.Linear(
-            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias
-        )
-        self.o_proj = nn.Linear(
-            self.num_differential_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
-        )
+        heads = config.num_attention_heads
+        super().__init__(config, layer_idx, heads // config.num_key_value_heads, output_heads=heads // 2)
+        self.num_differential_heads = heads // 2
         self.differential_lambda = DiffLlamaV2Lambda(config.hidden_size, self.num_differential_heads)
-        self.register_load_state_dict_pre_hook(load_lambda_under_checkpoint_names)
 
-    @accepts_past_key_values
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        if self.tp_key_value_heads is not None:
-            # Tensor parallel with replicated k/v projections: keep the key/value heads this rank's queries read.
-            key_states, value_states = select_heads(key_states, value_states, self.tp_key_value_heads)
-
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-
-        if cache is not None:
-            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
-
+    def differential_heads(self, hidden_states, query, key, value, attention_mask, cache, **kwargs):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
         attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=0.0,
-            scaling=self.scaling,
-            **kwargs,
+            self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
         )
-        # (batch, seq, H, d) -> (batch, seq, h, 2 maps, d): maps 2i and 2i + 1 are differential head i's pair.
-        first, second = attn_output.reshape(*input_shape, -1, 2, self.head_dim).unbind(-2)  # -1: this rank's heads
-        lambdas = self.differential_lambda(hidden_states)[..., None]
+        # (batch, seq, H, d): maps 2i and 2i + 1 are differential head i's pair, taken as strided views (no copy).
+        first, second = attn_output[:, :, 0::2], attn_output[:, :, 1::2]
+        lambdas = self.differential_lambda(hidden_states)
         # first − λ·second in one op; addcmul promotes a bf16/fp16 pair to λ's float32.
-        differential = torch.addcmul(first, lambdas, second, value=-1).reshape(*input_shape, -1)
-        attn_output = self.o_proj(differential.to(hidden_states.dtype))
-        return attn_output, attn_weights
+        return torch.addcmul(first, lambdas.view(*lambdas.shape, 1), second, value=-1), attn_weights
 
     @staticmethod
     def pair_maps(maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Softmax maps (batch, H, q, k) -> (A1, A2) of every differential head i: maps 2i and 2i + 1."""
         return maps[:, 0::2], maps[:, 1::2]
 
-    @classmethod
-    def combine_maps(cls, maps: torch.Tensor, lambdas: torch.Tensor) -> torch.Tensor:
-        """Softmax maps (batch, H, q, k) and this layer's λ (batch, q, h) -> per-token differential maps
-        A_{2i}[t] − λ_{t,i}·A_{2i+1}[t], (batch, h, q, k), in float32 or wider."""
-        dtype = torch.promote_types(maps.dtype, torch.float32)
-        first, second = cls.pair_maps(maps.to(dtype))
-        return first - lambdas.to(dtype).transpose(1, 2)[..., None] * second  # λ as (batch, h, q, 1)
-
 
 # The attention variant is chosen once, from `config.diff_version`.
 DIFF_ATTENTION_CLASSES = {1: DiffLlamaAttention, 2: DiffLlamaV2Attention}
 
 
-class DiffLlamaDecoderLayer(GradientCheckpointingLayer):
+class DiffLlamaDecoderLayer(LlamaDecoderLayer):
+    """Llama's layer and forward, with the differential attention of `config.diff_version` and norms that keep a
+    float64 model in float64."""
+
     def __init__(self, config: DiffLlamaConfig, layer_idx: int):
-        super().__init__()
+        super(LlamaDecoderLayer, self).__init__()  # Llama's own would build a LlamaAttention first
         self.hidden_size = config.hidden_size
         self.self_attn = DIFF_ATTENTION_CLASSES[config.diff_version](config=config, layer_idx=layer_idx)
-        self.mlp = DiffLlamaMLP(config)
+        self.mlp = LlamaMLP(config)
         self.input_layernorm = DiffLlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DiffLlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    @accepts_past_key_values
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        use_cache: bool | None = False,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
-        hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
-        hidden_states = residual + hidden_states
 
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
-        hidden_states = self.mlp(hidden_states)
-        return residual + hidden_states
+class DiffLlamaPreTrainedModel(LlamaPreTrainedModel):
+    """Llama's: the same backends and compile support; its own config, layer and recorded outputs, saving that ships
+    the remote code, λ's initialisation and the differential helpers."""
 
-
-class DiffLlamaPreTrainedModel(PreTrainedModel):
     config: DiffLlamaConfig
     config_class = DiffLlamaConfig
-    base_model_prefix = "model"
-    supports_gradient_checkpointing = True
     _no_split_modules = ["DiffLlamaDecoderLayer"]
-    _skip_keys_device_placement = [CACHE_NAME]
-    _supports_flash_attn = True
-    _supports_sdpa = True
-    _supports_flex_attn = True
-    _can_compile_fullgraph = True
-    _supports_attention_backend = True
     _can_record_outputs = {
         "hidden_states": DiffLlamaDecoderLayer,
-        "attentions": [DiffLlamaAttention, DiffLlamaV2Attention],
+        "attentions": DiffLlamaAttentionBase,
     }
 
     @classmethod
@@ -546,13 +369,7 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
         """The differential attention maps of every layer, (batch, H/2, q, k) each, from the outputs of a forward pass
         run with eager attention, `output_attentions=True` and (for DIFF V2, whose λ is per token)
         `output_hidden_states=True`. Version 1: A_i − λ·A_{i+H/2}; DIFF V2: A_{2i}[t] − λ_{t,i}·A_{2i+1}[t]."""
-        attentions = getattr(outputs, "attentions", None)
-        if attentions is None or any(maps is None for maps in attentions):
-            raise ValueError(
-                "No softmax maps to combine: only eager attention returns them. Load the model with "
-                "`attn_implementation=\"eager\"` (or call `model.set_attn_implementation(\"eager\")`) and pass "
-                "`output_attentions=True`."
-            )
+        attentions = _softmax_maps(getattr(outputs, "attentions", None))
         lambdas = self.differential_lambdas(outputs)
         return tuple(
             layer.self_attn.combine_maps(maps, lam)
@@ -560,10 +377,12 @@ class DiffLlamaPreTrainedModel(PreTrainedModel):
         )
 
 
-class DiffLlamaModel(DiffLlamaPreTrainedModel):
+class DiffLlamaModel(DiffLlamaPreTrainedModel, LlamaModel):
+    """Llama's model and forward, with DiffLlama's layers, final norm and rotary embedding."""
+
     def __init__(self, config: DiffLlamaConfig):
         config.validate_differential_layout()  # the config constructs with any values, as LlamaConfig does
-        super().__init__(config)
+        super(LlamaModel, self).__init__(config)  # Llama's own would build Llama's layers first
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
 
@@ -577,104 +396,21 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel):
 
         self.post_init()
 
-    @accepts_past_key_values
-    @merge_with_config_defaults
-    @capture_outputs
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        inputs_embeds: torch.FloatTensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> BaseModelOutputWithPast:
-        if (input_ids is None) ^ (inputs_embeds is not None):
-            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
-
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-
-        if position_ids is None:
-            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-            position_ids = position_ids.unsqueeze(0)
-
-        mask = causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids)
-
-        hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-
-        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
-            hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=mask,
-                position_embeddings=position_embeddings,
-                position_ids=position_ids,
-                use_cache=use_cache,
-                **cache_kwargs(cache),
-                **kwargs,
-            )
-
-        hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **cache_kwargs(cache))
+    forward = accepts_either_cache_name(LlamaModel.forward)
 
 
-class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, GenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    _tp_plan = {"lm_head": "colwise_gather_output"}
-    _fsdp_plan = {"lm_head": "keep_full_weight"}
+class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, LlamaForCausalLM):
+    """Llama's causal LM head, forward and plans, over a `DiffLlamaModel`."""
 
     def __init__(self, config: DiffLlamaConfig):
-        super().__init__(config)
+        super(LlamaForCausalLM, self).__init__(config)  # Llama's own would build a LlamaModel first
         self.model = DiffLlamaModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
         self.post_init()
 
-    @accepts_past_key_values
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        inputs_embeds: torch.FloatTensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> CausalLMOutputWithPast:
-        outputs: BaseModelOutputWithPast = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            **kwargs,
-        )
-
-        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-        logits = self.lm_head(hidden_states)
-
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-
-        return CausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            **cache_kwargs(output_cache(outputs)),
-        )
+    forward = accepts_either_cache_name(LlamaForCausalLM.forward)
 
 
 # The generic task heads build their backbone with `AutoModel.from_config`, which fails as the first call of a
@@ -707,6 +443,17 @@ class DiffLlamaForQuestionAnswering(GenericForQuestionAnswering, DiffLlamaPreTra
         self.post_init()
 
 
+def _softmax_maps(attentions):
+    """`output_attentions`'s maps (one layer's tensor or every layer's), refused where a backend returned none."""
+    if attentions is None or (not isinstance(attentions, torch.Tensor) and any(maps is None for maps in attentions)):
+        raise ValueError(
+            "No softmax maps to combine: only eager attention returns them. Load the model with "
+            "`attn_implementation=\"eager\"` (or call `model.set_attn_implementation(\"eager\")`) and pass "
+            "`output_attentions=True`."
+        )
+    return attentions
+
+
 def differential_attention_maps(
     attentions: torch.Tensor | Sequence[torch.Tensor], lambdas: float | torch.Tensor | Sequence
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -727,12 +474,7 @@ def differential_attention_maps(
     >>> maps = differential_attention_maps(out.attentions, model.get_lambdas())
     ```
     """
-    if attentions is None or (not isinstance(attentions, torch.Tensor) and any(a is None for a in attentions)):
-        raise ValueError(
-            "No softmax maps to combine: only eager attention returns them. Load the model with "
-            "`attn_implementation=\"eager\"` (or call `model.set_attn_implementation(\"eager\")`) and pass "
-            "`output_attentions=True`."
-        )
+    attentions = _softmax_maps(attentions)
     if isinstance(attentions, torch.Tensor):
         return DiffLlamaAttention.combine_maps(attentions, lambdas)
     if len(attentions) != len(lambdas):
@@ -748,9 +490,4 @@ __all__ = [
     "DiffLlamaForTokenClassification",
     "DiffLlamaForQuestionAnswering",
     "differential_attention_maps",
-    "tensor_parallel_layout",
-    "DifferentialAttentionInterface",
-    "DifferentialKernel",
-    "ALL_DIFFERENTIAL_KERNELS",
-    "DIFFERENTIAL_KERNEL_DISPATCH",
 ]

@@ -8,7 +8,7 @@ LLaMA head goes and what it calibrates. The loops here never branch on the versi
 import torch
 
 from ..configuration_diff_llama import DiffLlamaConfig
-from ..modeling_diff_llama import LAMBDA_VECTOR_NAMES
+from ..lambda_diff_llama import LAMBDA_VECTOR_NAMES
 from .source import SAFETENSORS_DTYPES, LlamaSource
 from .writer import StreamingSafetensorsWriter
 

@@ -14,8 +14,8 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from ..errors import UserError
+from ..lambda_diff_llama import LAMBDA_CHECKPOINT_RENAMES
 from ..modeling_diff_llama import (
-    LAMBDA_CHECKPOINT_RENAMES,
     DiffLlamaDecoderLayer,
     DiffLlamaRMSNorm,
     DiffLlamaRotaryEmbedding,

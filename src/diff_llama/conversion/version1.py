@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..modeling_diff_llama import LAMBDA_VECTOR_NAMES, lambda_init_fn
+from ..lambda_diff_llama import LAMBDA_VECTOR_NAMES, lambda_init_fn
 from .base import LAMBDA_VECTORS, LAYER_TENSORS, VersionConversion, attention_projections, gather_head_rows
 from .calibration import CalibrationSettings, fold_head_norm_gain, weight_only_head_norm_eps
 from .errors import ConversionError

@@ -1,0 +1,104 @@
+# Copyright 2026 The diff-llama authors. Licensed under the Apache License, Version 2.0.
+"""λ of both differential attention versions: its modules, its initial value and its names in checkpoints.
+
+Version 1 (the paper's): one λ per layer, exp(λ_q1·λ_k1) − exp(λ_q2·λ_k2) + λ_init, from four learned vectors. DIFF V2:
+λ per token and differential head, sigmoid(lambda_proj(x)). Both are computed in float32 or wider, since the subtraction
+they weight cancels much of the signal.
+
+Imports only torch, transformers and its siblings: it ships next to the modeling file as remote code.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import WeightRenaming
+
+from .differential_kernels import _float32_or_wider
+
+
+
+def lambda_init_fn(layer_idx: int) -> float:
+    """The paper's depth-dependent λ_init(l) = 0.8 - 0.6 * exp(-0.3 * l), l counted from 0."""
+    return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+
+
+LAMBDA_VECTOR_NAMES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+# In memory λ's parameters live in a small module (`self_attn.differential_lambda`), so that PEFT can train and save
+# them with `modules_to_save`; on disk they keep the names each version's checkpoints have: the built-in model's
+# `self_attn.lambda_q1`, ... for version 1, the reference code's `self_attn.lambda_proj` for DIFF V2. transformers
+# applies this renaming when loading and reverts it when saving.
+LAMBDA_CHECKPOINT_NAMES = {1: LAMBDA_VECTOR_NAMES, 2: ("lambda_proj",)}
+# transformers looks renamings up by model type (or class name), which both versions share. One renaming with the
+# names as alternatives therefore serves both: every model registers only renamings its own checkpoints' keys match
+# (transformers' `test_reverse_loading_mapping` fails a renaming that matches no key of a saved model).
+LAMBDA_CHECKPOINT_RENAMES = {
+    rf"\.self_attn\.({'|'.join(name for names in LAMBDA_CHECKPOINT_NAMES.values() for name in names)})": (
+        r".self_attn.differential_lambda.\1"
+    )
+}
+register_checkpoint_conversion_mapping(
+    "diff_llama", [WeightRenaming(disk, memory) for disk, memory in LAMBDA_CHECKPOINT_RENAMES.items()], overwrite=True
+)
+
+
+def load_lambda_under_checkpoint_names(module, state_dict, prefix, *args) -> None:
+    """A `load_state_dict` pre-hook of the attention modules: λ tensors under their checkpoint names (what
+    `save_pretrained` writes) load into `differential_lambda`. `from_pretrained` renames them itself, but the Trainer
+    resumes a checkpoint, and accelerate or a user may load one, with a plain non-strict `load_state_dict`, which
+    would otherwise leave λ silently at its old values."""
+    checkpoint_names = {name for names in LAMBDA_CHECKPOINT_NAMES.values() for name in names}
+    for key in [key for key in state_dict if key.startswith(prefix)]:
+        name = key[len(prefix):]
+        if name.split(".", 1)[0] in checkpoint_names:
+            state_dict.setdefault(f"{prefix}differential_lambda.{name}", state_dict.pop(key))
+
+
+class DiffLlamaLambda(nn.Module):
+    """λ of one layer: exp(λ_q1·λ_k1) - exp(λ_q2·λ_k2) + λ_init, from four learned vectors of length head_dim."""
+
+    def __init__(self, head_dim: int, layer_idx: int):
+        super().__init__()
+        self.lambda_init = lambda_init_fn(layer_idx)
+        self.lambda_q1 = nn.Parameter(torch.zeros(head_dim))
+        self.lambda_k1 = nn.Parameter(torch.zeros(head_dim))
+        self.lambda_q2 = nn.Parameter(torch.zeros(head_dim))
+        self.lambda_k2 = nn.Parameter(torch.zeros(head_dim))
+
+    def forward(self) -> torch.Tensor:
+        """λ as a scalar tensor in float32 (or float64 for a float64 model): never in half precision, where exp() of
+        a dot product loses the small λ updates."""
+        dtype = _float32_or_wider(self.lambda_q1.dtype)
+        dot1 = torch.dot(self.lambda_q1.to(dtype), self.lambda_k1.to(dtype))
+        dot2 = torch.dot(self.lambda_q2.to(dtype), self.lambda_k2.to(dtype))
+        return torch.exp(dot1) - torch.exp(dot2) + self.lambda_init
+
+
+class DiffLlamaFloat32Linear(nn.Linear):
+    """nn.Linear computed in float32 or wider, whatever the dtype of its weight and input."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = _float32_or_wider(hidden_states.dtype)
+        weight = self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
+        if hidden_states.dtype != dtype:  # a no-op cast is still an aten op, and a decoding step pays for every op
+            hidden_states = hidden_states.to(dtype)
+        if self.bias is not None:
+            return nn.functional.linear(hidden_states, weight, self.bias.to(dtype))
+        # Rows as one matrix product: nn.Linear on a 3-D input adds reshapes and views around the same product.
+        products = torch.mm(hidden_states.reshape(-1, hidden_states.shape[-1]), weight.t())
+        return products.view(*hidden_states.shape[:-1], -1)
+
+
+class DiffLlamaV2Lambda(nn.Module):
+    """DIFF V2's λ: sigmoid(lambda_proj(x)) per token and differential head, from the attention block's input."""
+
+    def __init__(self, hidden_size: int, num_differential_heads: int):
+        super().__init__()
+        self.lambda_proj = DiffLlamaFloat32Linear(hidden_size, num_differential_heads, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(batch, seq, h) in float32 or wider: the subtraction it weights cancels much of the signal. `lambda_proj`
+        is called, not read: offloading hooks (`device_map` with disk or CPU offload) bring its weight in on call."""
+        return torch.sigmoid(self.lambda_proj(hidden_states))
