@@ -3,7 +3,7 @@
 Trains SmolLM2-135M-Instruct and its DIFF V2 conversion with `diff-llama adapt`: the same examples in the same
 order, the same steps and schedule, the same learning rate for every parameter the two share (the conversion's own
 λ projection and second query heads at `--differential-learning-rates`, one V2 run per rate), side by side, one
-thread each, the budget counted in CPU-minutes of the training steps. Then evaluates the source as it was and every
+thread each, the budget counted in minutes of the training steps. Then evaluates the source as it was and every
 trained model with `diff-llama evaluate` on the evaluation's cases (held-out cities and filler, `--dtype` weights, as
 the probes during training): 1K and 2K tokens in every setting, then 4K tokens in the multi-needle settings, then
 the trained models on fresh hard cases (4x2 and 6x2 at 2K and 4K, 160 cases) with a paired test. Writes one report and
@@ -16,7 +16,7 @@ Jobs run two at a time, one thread each (a 2-core machine), and each model's eva
 training has finished. Each V2 run of about 270 steps at 2K tokens peaks near 9 GB of memory: three training processes
 would not fit in 24 GB.
 
-Results: bench/results/adaptation.md, .json (every case and every probe) and .png (curves against CPU-minutes).
+Results: bench/results/adaptation.md, .json (every case and every probe) and .png (curves against training minutes).
 """
 
 import argparse
@@ -82,11 +82,11 @@ def describe_failure(command: list[str], returncode: int) -> str:
 def check_reused(options: dict, args, folder: str) -> None:
     """Exit naming the difference when a finished run in --work was trained with another shared schedule."""
     wanted = {"max_steps": args.steps, "max_length": args.max_length, "long_length": args.train_long_length,
-              "long_fraction": float(args.train_long_fraction), "max_cpu_minutes": float(args.max_cpu_minutes),
+              "long_fraction": float(args.train_long_fraction), "max_seconds": float(args.max_seconds),
               "warmup_steps": int(args.warmup_steps), "text_every": int(args.text_every), "autocast": args.dtype,
               "eval_every": args.eval_every, "frozen_layers": args.frozen_layers}
     options = {"frozen_layers": 0, **options}  # runs from before the option trained every layer
-    differ = {key: (options[key], value) for key, value in wanted.items() if options[key] != value}
+    differ = {key: (options.get(key), value) for key, value in wanted.items() if options.get(key) != value}
     if differ:
         found = ", ".join(f"{key} {old}, not {new}" for key, (old, new) in differ.items())
         raise SystemExit(f"{folder} in --work was trained with other options ({found}): pass the same options, "
@@ -103,7 +103,8 @@ def main() -> None:
     parser.add_argument("--train-long-length", type=int, default=0,
                         help="adapt's --long-length: a share of the examples up to this many tokens (0: none)")
     parser.add_argument("--train-long-fraction", default="0.25", help="share of the examples longer than --max-length")
-    parser.add_argument("--max-cpu-minutes", default="60", help="training budget per model (CPU-minutes)")
+    parser.add_argument("--max-seconds", default="3600",
+                        help="training budget per model (wall-clock seconds of its training steps, one thread each)")
     parser.add_argument("--warmup-steps", default="20", help="adapt's linear warm-up steps (then linear decay to 0)")
     parser.add_argument("--text-every", default="2", help="adapt's language-modelling block every this many steps")
     parser.add_argument("--frozen-layers", type=int, default=0,
@@ -164,7 +165,7 @@ def main() -> None:
                      "--eval-every", str(args.eval_every), "--max-length", str(args.max_length), "--threads", "1",
                      "--long-length", str(args.train_long_length), "--long-fraction", args.train_long_fraction,
                      "--autocast", args.dtype,  # float32 means no autocast
-                     "--max-cpu-minutes", args.max_cpu_minutes, "--warmup-steps", args.warmup_steps,
+                     "--max-seconds", args.max_seconds, "--warmup-steps", args.warmup_steps,
                      "--text-every", args.text_every, "--frozen-layers", str(args.frozen_layers), *extra],
                     work / f"{folder}.log")
                 for source, folder, name, extra in runs_to_train]
@@ -224,19 +225,18 @@ def render(result: dict) -> str:
     from diff_llama.retrieval import markdown_report
 
     histories = result["training"]
-    curves = ["", "Training (`diff-llama adapt`, the same examples, steps and learning rates for both; CPU-minutes of "
-              "the training steps, one thread each). Held-out probe at each point: accuracy on "
+    curves = ["", "Training (`diff-llama adapt`, the same examples, steps and learning rates for both; minutes of the "
+              "training steps, one thread each). Held-out probe at each point: accuracy on "
               f"{', '.join(histories[0]['options']['eval_settings'])} at "
               f"{', '.join(map(str, histories[0]['options']['eval_lengths']))} tokens (seed 1), attention shares, "
               "held-out perplexity:", "",
-              "| model | step | CPU-minutes | probe accuracy | answer share ↑ | noise share ↓ | perplexity | "
+              "| model | step | training minutes | probe accuracy | answer share ↑ | noise share ↓ | perplexity | "
               "pair divergence |",
               "|---|---|---|---|---|---|---|---|"]
     for history in histories:
         for p in history["probes"]:
             divergence = p.get("pair_divergence")
-            minutes = p.get("train_minutes", p.get("cpu_minutes"))  # runs before adapt's wall-clock budget
-            curves.append(f"| {history['name']} | {p['step']} | {minutes:.1f} | {p['accuracy']:.0%} | "
+            curves.append(f"| {history['name']} | {p['step']} | {p['train_minutes']:.1f} | {p['accuracy']:.0%} | "
                           f"{p['answer_share']:.3f} | {p['noise_share']:.3f} | {p['perplexity']:.2f} | "
                           f"{'–' if divergence is None else f'{divergence:.2%}'} |")
     curves += ["", "Pair divergence: ‖second − first‖ / ‖first‖ over the query heads of each DIFF V2 pair, mean over "

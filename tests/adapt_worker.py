@@ -13,12 +13,13 @@ import torch.distributed as dist  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 import diff_llama.adaptation as adaptation  # noqa: E402
+import diff_llama.adaptation.trainer as trainer  # noqa: E402
 from diff_llama import DiffLlamaForCausalLM  # noqa: E402
 
 if __name__ == "__main__":
     model_path, folder = sys.argv[1:3]
     options = adaptation.AdaptationOptions(**json.loads(open(os.path.join(folder, "options.json")).read()))
-    adaptation.probe = lambda *args, **kwargs: {}  # the probes are not what this checks, and cost time
+    trainer.probe = lambda *args, **kwargs: {}  # the probes are not what this checks, and cost time
     built, real_getitem = [], adaptation.RetrievalExamples.__getitem__
 
     def build(self, index):

@@ -25,7 +25,6 @@ from diff_llama.adaptation import (
 from diff_llama.retrieval import HELD_OUT_CITIES, TRAINING_CITIES, filler_sentences
 
 
-
 def main(argv):
     """`diff-llama adapt ARGV`, raising its errors (the command line prints them in one line)."""
     from diff_llama_cli import parse
@@ -127,7 +126,7 @@ def test_differential_parameters_can_warm_up_on_their_own_schedule():
 
 def test_a_differential_warm_up_sets_the_rate_of_each_step(chat_tokenizer, monkeypatch):
     """Step by step, the λ projection's group and the second heads' factor follow the differential schedule."""
-    import diff_llama.adaptation as adaptation
+    import diff_llama.adaptation.trainer as trainer
     import diff_llama.training as training
 
     seen, rates, optimizers = [], [], []
@@ -141,7 +140,7 @@ def test_a_differential_warm_up_sets_the_rate_of_each_step(chat_tokenizer, monke
     monkeypatch.setattr(SecondHeadRate, "after_step", after_step)
     monkeypatch.setattr(training, "optimizer_for", lambda *a, **k: optimizers.append(real_optimizer_for(*a, **k))
                         or optimizers[-1])
-    monkeypatch.setattr(adaptation, "probe", lambda *args, **kwargs: {})
+    monkeypatch.setattr(trainer, "probe", lambda *args, **kwargs: {})
     model = tiny_model(vocab_size=len(chat_tokenizer), max_position_embeddings=1024, diff_version=2)
     options = AdaptationOptions(max_steps=4, eval_every=0, autocast="none", save=False,
                                 **{**SMALL, "warmup_steps": 1, "differential_warmup_steps": 4})
@@ -220,18 +219,6 @@ def test_adapt_says_when_the_time_budget_cuts_its_schedule_short(tmp_path, chat_
     assert [p["step"] for p in history["probes"]] == [0, 1]
 
 
-def test_the_cpu_minutes_budget_still_sets_the_wall_clock_budget_with_a_warning(chat_tokenizer):
-    from diff_llama.adaptation import budget_seconds
-
-    assert budget_seconds(AdaptationOptions(max_cpu_minutes=0.5, max_seconds=7)) == 30
-    assert budget_seconds(AdaptationOptions(max_seconds=7)) == 7
-    # adapt warns before anything else: an invalid option then stops it before any training or probe.
-    options = AdaptationOptions(max_cpu_minutes=0.5, save_steps=-1, **SMALL)
-    with pytest.warns(FutureWarning, match="max_cpu_minutes is deprecated.*max_seconds.*30 seconds"):
-        with pytest.raises(ValueError, match="save_steps"):
-            adapt(tiny_model(vocab_size=len(chat_tokenizer)), chat_tokenizer, options, name="tiny")
-
-
 def test_second_heads_of_diff_v2_pairs_take_their_own_learning_rate():
     model = tiny_model(diff_version=2, num_attention_heads=6, num_key_value_heads=3)  # odd h = 3 differential heads
     plain = copy.deepcopy(model)
@@ -306,7 +293,8 @@ def test_adapt_command_saves_a_model_that_reloads(tmp_path, chat_tokenizer, caps
 def test_adapt_command_checks_its_options_before_loading_a_model(tmp_path):
     # The model path does not exist: the option error comes first, and nothing is written.
     for flags, message in ((["--autocast", "fp8"], "unknown dtype 'fp8'"),
-                           (["--long-length", "1000"], "long_length > max_length")):
+                           (["--long-length", "1000"], "long_length > max_length"),
+                           (["--max-seconds", "0"], "max_seconds > 0")):
         with pytest.raises(ValueError, match=message):
             main([str(tmp_path / "no-such-model"), str(tmp_path / "out"), *flags])
     assert not (tmp_path / "out").exists()

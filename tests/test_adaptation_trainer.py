@@ -13,18 +13,20 @@ import pytest
 import torch
 
 import diff_llama
-import diff_llama.adaptation as adaptation
+import diff_llama.adaptation.trainer as trainer
 from conftest import tiny_model
 from diff_llama.adaptation import (
     AdaptationOptions,
     RetrievalExamples,
     SecondHeadRate,
+    TextBlocks,
     adapt,
     answer_loss,
     differential_factor,
+    differential_parameters,
     freeze_lower_layers,
     learning_rate_factor,
-    text_blocks,
+    pair_divergence,
     text_loss,
 )
 from test_adaptation import CHAT_TEMPLATE, SMALL
@@ -47,8 +49,8 @@ def chat_tokenizer(tokenizer):
 @pytest.fixture
 def no_probes(monkeypatch):
     # what the curves plot, without the probe's cost
-    monkeypatch.setattr(adaptation, "probe", lambda *args, **kwargs: dict(accuracy=0.0, answer_share=0.0,
-                                                                          noise_share=0.0, perplexity=1.0))
+    monkeypatch.setattr(trainer, "probe", lambda *args, **kwargs: dict(accuracy=0.0, answer_share=0.0,
+                                                                       noise_share=0.0, perplexity=1.0))
 
 
 def v2_model(tokenizer):
@@ -62,12 +64,11 @@ def v2_model(tokenizer):
 def loop_of_before(model, tokenizer, options, steps):
     """The recipe's hand-written loop as it was before the Trainer (the maths of each step, kept as the reference):
     returns each step's answer and text losses."""
-    from diff_llama.adaptation import differential_parameters
     from diff_llama.training import optimizer_for
 
     torch.manual_seed(options.seed)
     examples = RetrievalExamples(tokenizer, options)
-    blocks = text_blocks(tokenizer, options.text_block, options.seed)
+    blocks, text_steps = TextBlocks(tokenizer, options.text_block, options.seed), 0
     reference = copy.deepcopy(model).eval().requires_grad_(False) if options.kl_weight > 0 else None
     model.train()
     freeze_lower_layers(model, options.frozen_layers)
@@ -89,7 +90,8 @@ def loop_of_before(model, tokenizer, options, steps):
         loss.backward()
         entry = [loss.item()]
         if step % options.text_every == 0:
-            lm = text_loss(model, next(blocks), reference, options.kl_weight)
+            lm = text_loss(model, blocks[text_steps], reference, options.kl_weight)
+            text_steps += 1
             lm.backward()
             entry.append(lm.item())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -114,7 +116,7 @@ def test_a_trainer_step_is_a_step_of_the_recipe_as_it_was(chat_tokenizer, no_pro
     assert [s["examples"] for s in history["steps"]] == [[0], [1]]
     assert loss_diff < 1e-5 and weight_diff < 1e-6
     # and the step did move the second heads apart from the first (their own rate took effect)
-    assert adaptation.pair_divergence(model) > 0
+    assert pair_divergence(model) > 0
 
 
 def _free_port() -> int:
@@ -203,10 +205,14 @@ def test_an_indexed_stream_is_the_sequential_one(chat_tokenizer):
     sequential, indexed = RetrievalExamples(chat_tokenizer, options), RetrievalExamples(chat_tokenizer, options)
     stream = [sequential.next() for _ in range(4)]
     assert [indexed[i] for i in (3, 1, 0, 2)] == [stream[i] for i in (3, 1, 0, 2)]
-    blocks = text_blocks(chat_tokenizer, 64, seed=0)
-    by_index = adaptation.TextBlocks(chat_tokenizer, 64, seed=0)
-    first = [next(blocks) for _ in range(2 * len(by_index.blocks) + 1)]  # over three passes
+    in_order, by_index = TextBlocks(chat_tokenizer, 64, seed=0), TextBlocks(chat_tokenizer, 64, seed=0)
+    count = len(in_order.blocks)
+    first = [in_order[i] for i in range(2 * count + 1)]  # over three passes
     assert all(torch.equal(by_index[i], block) for i, block in reversed(list(enumerate(first))))
+    # every pass holds each block of the text once, each pass in another order
+    passes = [torch.stack(first[:count]), torch.stack(first[count:2 * count])]
+    assert all(sorted(p.tolist()) == sorted(in_order.blocks.tolist()) for p in passes)
+    assert not torch.equal(passes[0], passes[1])
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: compares it with the CPU")

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from diff_llama import precision
-from diff_llama.adaptation import AdaptationOptions, _autocast_dtype
+from diff_llama.adaptation import AdaptationOptions
+from diff_llama.adaptation.settings import autocast_dtype
 
 
 def with_capabilities(monkeypatch, **flags):
@@ -16,13 +17,13 @@ def with_capabilities(monkeypatch, **flags):
 def test_auto_is_bfloat16_on_a_cpu_with_bf16_units(monkeypatch, flag):
     with_capabilities(monkeypatch, **{flag: True})
     assert precision.resolve_dtype("auto") is torch.bfloat16
-    assert _autocast_dtype(AdaptationOptions()) is torch.bfloat16  # adapt's default autocast
+    assert autocast_dtype(AdaptationOptions()) is torch.bfloat16  # adapt's default autocast
 
 
 def test_auto_is_float32_where_bf16_would_be_emulated(monkeypatch):
     with_capabilities(monkeypatch, avx512_bf16=False, amx_bf16=False)
     assert precision.resolve_dtype("auto") is torch.float32
-    assert _autocast_dtype(AdaptationOptions()) is None  # no autocast at all
+    assert autocast_dtype(AdaptationOptions()) is None  # no autocast at all
 
 
 def test_auto_is_float32_when_torch_cannot_say(monkeypatch):
@@ -35,7 +36,7 @@ def test_named_dtypes_are_themselves_and_anything_else_is_refused():
     assert precision.resolve_dtype("float16") is torch.float16
     assert precision.resolve_dtype("float32") is torch.float32
     assert precision.resolve_dtype("none") is torch.float32
-    assert _autocast_dtype(AdaptationOptions(autocast="none")) is None
+    assert autocast_dtype(AdaptationOptions(autocast="none")) is None
     with pytest.raises(ValueError, match="unknown dtype 'bf16': choose auto, float32, bfloat16 or float16"):
         precision.resolve_dtype("bf16")
 

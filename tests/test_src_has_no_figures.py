@@ -36,7 +36,7 @@ def source_files():
 
 def test_there_are_sources_to_scan():
     names = {path.name for path in source_files()}
-    assert {"modeling_diff_llama.py", "differential_kernels.py", "precision.py", "adaptation.py"} <= names
+    assert {"modeling_diff_llama.py", "differential_kernels.py", "precision.py", "trainer.py"} <= names
 
 
 @pytest.mark.parametrize("kind", list(FORBIDDEN))

@@ -228,8 +228,6 @@ class AdaptationOptions:
     max_seconds: float = field(default=3600.0, metadata={
         "help": "stop earlier once the training steps have taken this many seconds of wall-clock time (probes and "
         "checkpoints excluded), on whatever device they run"})
-    max_cpu_minutes: float | None = field(default=None, metadata={
-        "help": "deprecated: the budget is now wall-clock time, --max-seconds; this sets --max-seconds to 60 x it"})
     batch_size: int | None = field(default=None, metadata={
         "help": "retrieval examples per optimiser step, over all processes together (default: the number of "
         "processes, 1 without accelerate launch); the same value trains on the same examples per step whatever the "

@@ -1,0 +1,82 @@
+"""`diff-llama adapt MODEL OUTPUT [options]` (declared in `diff_llama_cli`): OUTPUT checked before the model loads,
+the run, and the trained model saved beside its curves."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import InputNotFoundError, UserError
+from .settings import AdaptationOptions, check_options
+from .trainer import adapt
+
+
+def release_gguf_quantizer(model) -> None:
+    """A model loaded from a GGUF file keeps transformers' GGUF quantizer, which refuses `save_pretrained`, even when
+    its weights were dequantized into ordinary tensors at load time (as they must be, to train them). Those weights
+    save like any others: drop the quantizer then. Packed GGUF layers are left alone (and saving stays refused)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    if quantizer is None or getattr(method, "value", method) != "gguf":
+        return
+    if not any(type(module).__name__.startswith("Gguf") for module in model.modules()):
+        quantizer.remove_quantization_config(model)
+
+
+def check_adapt_output(output: Path, options: AdaptationOptions, overwrite: bool = False) -> None:
+    """OUTPUT must be new or empty; or hold a run's checkpoints, with `resume`; or, with `overwrite`, be a folder of
+    an earlier run that holds nothing else. Each refusal names the fix that works for the folder as it is."""
+    from ..output_folder import check_new_output, replace_refusal
+
+    if options.resume and overwrite:
+        raise UserError("give --resume (continue the run in OUTPUT) or --overwrite (start it over), not both.")
+    checkpoints = output.is_dir() and any(output.glob("checkpoint-*"))
+    if options.resume and not checkpoints:
+        replaceable = output.is_dir() and replace_refusal(output) is None
+        start_over = ", or pass --overwrite to start over" if replaceable else ""
+        raise InputNotFoundError(f"--resume: {output} holds no checkpoint-N folder to continue from (the run finished, "
+                                 f"or saved none: --save-steps); choose a new folder{start_over}.")
+    if not options.resume:
+        check_new_output(output, "pass --resume to continue the run it holds, or choose a new folder" if checkpoints
+                         else "choose a new folder", overwrite)
+
+
+def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: str | None = None,
+              overwrite: bool = False) -> int:
+    """`diff-llama adapt MODEL OUTPUT [options]` (declared in `diff_llama_cli`). Under `accelerate launch` every
+    process trains; the main one checks and writes OUTPUT. With `overwrite`, the earlier run in OUTPUT is removed
+    once the model has loaded (the new one writes its checkpoints there, for --resume)."""
+    from ..output_folder import clear_output, write_marker
+    from ..resolve import load_model, save_tokenizer
+    from ..retrieval import display_name
+
+    output = Path(output)
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    if main_process:
+        check_adapt_output(output, options, overwrite)
+    check_options(options)
+    model, tokenizer = load_model(model_name)
+    release_gguf_quantizer(model)
+    name = name or display_name(model_name)
+    if main_process and not options.resume:
+        if overwrite and output.is_dir():
+            clear_output(output)
+        output.mkdir(parents=True, exist_ok=True)
+        write_marker(output, "adapt")  # a later --overwrite may replace the folder
+    history = adapt(model, tokenizer, options, output, name=name)
+    if not main_process:
+        return 0
+    if options.save:
+        # Written to a temporary folder first, then moved: a crash never leaves a half-saved model behind.
+        partial = output / ".partial"
+        model.save_pretrained(partial)
+        save_tokenizer(tokenizer, partial)
+        for path in partial.iterdir():
+            path.replace(output / path.name)
+        partial.rmdir()
+    first, last, steps = history["probes"][0], history["probes"][-1], len(history["steps"])
+    print(f"{name}: {steps} step{'' if steps == 1 else 's'} in {history['train_minutes']:.1f} training minutes; probe "
+          f"accuracy {first['accuracy']:.0%} -> {last['accuracy']:.0%}, perplexity {first['perplexity']:.2f} -> "
+          f"{last['perplexity']:.2f}")
+    print(f"Wrote {output}")
+    return 0
