@@ -66,12 +66,18 @@ def test_export_builtin_copies_the_tokenizer_and_refuses_odd_kv_heads_in_one_lin
     assert not (tmp_path / "odd-builtin").exists()
 
 
+def fresh_python(code: str) -> subprocess.CompletedProcess:
+    """Runs `code` in a new interpreter, as a user's command would start, and requires that it exits cleanly."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
 def test_console_help_lists_every_command_without_importing_torch():
     from diff_llama_cli import COMMANDS
 
     code = "import sys, diff_llama_cli; diff_llama_cli.main(['--help']); print('torch' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    result = fresh_python(code)
     assert result.stdout.split()[-1] == "False"  # torch costs seconds to import
     assert all(name in result.stdout for name in COMMANDS)
 
@@ -87,8 +93,7 @@ def test_every_commands_help_is_fast_and_says_each_default_once():
             "        assert diff_llama_cli.main([name, '--help']) == 0, name\n"
             "    print('=== ' + name); print(out.getvalue())\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    result = fresh_python(code)
     assert result.stdout.strip().splitlines()[-1] == "[]"
     helps = dict(part.split("\n", 1) for part in result.stdout.split("=== ")[1:])
     assert set(helps) == set(COMMANDS)
@@ -228,8 +233,7 @@ def test_python_m_runs_the_command_line_and_shares_the_librarys_classes():
             "assert diff_llama.training.FineTuneOptions is options.FineTuneOptions\n"
             "assert issubclass(diff_llama.resolve.ModelNotFoundError, errors.UserError)\n"
             "print(code)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    result = fresh_python(code)
     assert result.stdout.split()[-1] == "2" and result.stderr.count("\n") == 1, result.stderr
     assert "no such diff-llama checkpoint folder" in result.stderr
 

@@ -13,7 +13,8 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
-from . import errors, options  # noqa: F401  (torch-free; the command line may have imported them already)
+from . import errors, modeling_diff_llama, options  # noqa: F401  (errors, options: torch-free; the command line may
+# have imported them already)
 from .configuration_diff_llama import DiffLlamaConfig
 from .differential_kernels import DifferentialAttentionInterface
 from .modeling_diff_llama import (
@@ -45,14 +46,4 @@ for _auto_class, _model_class in _AUTO_CLASSES.items():
     # Makes save_pretrained copy the modeling and configuration files next to the weights (remote code).
     _model_class.register_for_auto_class(_auto_class.__name__)
 
-__all__ = [
-    "DiffLlamaConfig",
-    "DiffLlamaPreTrainedModel",
-    "DiffLlamaModel",
-    "DiffLlamaForCausalLM",
-    "DiffLlamaForSequenceClassification",
-    "DiffLlamaForTokenClassification",
-    "DiffLlamaForQuestionAnswering",
-    "differential_attention_maps",
-    "DifferentialAttentionInterface",
-]
+__all__ = ["DiffLlamaConfig", *modeling_diff_llama.__all__, "DifferentialAttentionInterface"]
