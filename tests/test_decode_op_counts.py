@@ -22,8 +22,9 @@ SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_l
 # Ops per layer above Llama's. Version 1 keeps under issue 40's ceiling of 12. DIFF V2's ceiling is what this design
 # reaches, not issue 40's 6: λ's projection stays a matrix product of its own beside q_proj (a fused q/λ weight would
 # bypass a LoRA adapter on q_proj, and break tensor parallelism's and offloading's view of both modules), and with its
-# sigmoid and the pair subtraction it needs more than 6 ops.
-CEILINGS = {1: 12, 2: 16}
+# sigmoid and the pair subtraction it needs more than 6 ops; and its cast back to the model's dtype is unconditional
+# (one `to` per layer even in float32), since vLLM traces DIFF V2's forward with torch.fx, which cannot branch on a dtype.
+CEILINGS = {1: 12, 2: 17}
 
 
 def aten_ops(model) -> collections.Counter:

@@ -87,3 +87,26 @@ def test_what_vllm_cannot_serve_is_refused_in_one_line(model_folders, tmp_path, 
     assert result.returncode == 2 and err.startswith("diff-llama serve: error:") and "\n" not in err, err
     for words in expected:
         assert words in err, err
+
+
+def test_diff_v2_makes_its_one_attention_call_in_its_own_forward():
+    """vLLM's Transformers backend serves an attention module whose `forward` source makes exactly one call of a
+    function looked up in ALL_ATTENTION_FUNCTIONS, and reads its `scaling=` there. Version 1 calls its kernels, which
+    make two calls per layer, and must not look servable."""
+    import ast
+    import inspect
+    import textwrap
+
+    from diff_llama.modeling_diff_llama import DiffLlamaAttention, DiffLlamaV2Attention
+
+    def interface_calls(cls):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward))))
+        names = {target.id for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
+                 and "ALL_ATTENTION_FUNCTIONS" in ast.unparse(node.value)
+                 for target in (node.targets if isinstance(node, ast.Assign) else [node.target])}
+        return [node for node in ast.walk(tree)
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names]
+
+    (call,) = interface_calls(DiffLlamaV2Attention)
+    assert [ast.unparse(k.value) for k in call.keywords if k.arg == "scaling"] == ["self.scaling"]
+    assert interface_calls(DiffLlamaAttention) == []

@@ -145,14 +145,17 @@ class DiffLlamaAttentionBase(nn.Module):
         cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        input_shape = hidden_states.shape[:-1]
         query_states, key_states, value_states = self.project(hidden_states, position_embeddings, cache, kwargs)
         attn_output, attn_weights = self.differential_heads(
             hidden_states, query_states, key_states, value_states, attention_mask, cache, **kwargs
         )
+        return self.project_out(attn_output, hidden_states), attn_weights
+
+    def project_out(self, attn_output: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(batch, q, h, width) differential heads -> o_proj's output, in the model's dtype."""
         if attn_output.dtype != hidden_states.dtype:  # a no-op .to() is still an aten op
             attn_output = attn_output.to(hidden_states.dtype)
-        return self.o_proj(attn_output.reshape(*input_shape, -1)), attn_weights
+        return self.o_proj(attn_output.reshape(*hidden_states.shape[:-1], -1))
 
     def project(self, hidden_states, position_embeddings, cache, kwargs):
         """Llama's queries (batch, H, q, d), and the keys and values (batch, G, k, d) after RoPE and the cache."""
@@ -255,18 +258,32 @@ class DiffLlamaV2Attention(DiffLlamaAttentionBase):
         self.num_differential_heads = heads // 2
         self.differential_lambda = DiffLlamaV2Lambda(config.hidden_size, self.num_differential_heads)
 
-    def differential_heads(self, hidden_states, query, key, value, attention_mask, cache, **kwargs):
+    # Its own forward, not the base's `differential_heads` seam: vLLM's Transformers backend serves a module whose
+    # forward source makes the one attention-interface call itself (it reads the call and its `scaling=`).
+    @accepts_either_cache_name
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        query_states, key_states, value_states = self.project(hidden_states, position_embeddings, cache, kwargs)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
         attn_output, attn_weights = attention_interface(
-            self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+            self, query_states, key_states, value_states, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
         )
         # (batch, seq, H, d): maps 2i and 2i + 1 are differential head i's pair, taken as strided views (no copy).
         first, second = attn_output[:, :, 0::2], attn_output[:, :, 1::2]
         lambdas = self.differential_lambda(hidden_states)
         # first − λ·second in one op; addcmul promotes a bf16/fp16 pair to λ's float32.
-        return torch.addcmul(first, lambdas.view(*lambdas.shape, 1), second, value=-1), attn_weights
+        differential = torch.addcmul(first, lambdas.view(*lambdas.shape, 1), second, value=-1)
+        # An unconditional cast: vLLM traces this forward with torch.fx, where a branch on a dtype cannot be traced.
+        differential = differential.to(hidden_states.dtype).reshape(*hidden_states.shape[:-1], -1)
+        return self.o_proj(differential), attn_weights
 
     @staticmethod
     def pair_maps(maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
