@@ -22,9 +22,10 @@ SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_l
 # Ops per layer above Llama's. Version 1 keeps under issue 40's ceiling of 12. DIFF V2's ceiling is what this design
 # reaches, not issue 40's 6: λ's projection stays a matrix product of its own beside q_proj (a fused q/λ weight would
 # bypass a LoRA adapter on q_proj, and break tensor parallelism's and offloading's view of both modules), and with its
-# sigmoid and the pair subtraction it needs more than 6 ops; and its cast back to the model's dtype is unconditional
-# (one `to` per layer even in float32), since vLLM traces DIFF V2's forward with torch.fx, which cannot branch on a dtype.
-CEILINGS = {1: 12, 2: 17}
+# sigmoid and the pair subtraction it needs more than 6 ops. Two more serve vLLM's Transformers backend: the cast back to
+# the model's dtype is unconditional (vLLM traces the forward with torch.fx, which cannot branch on a dtype), and the
+# pairs are taken after a reshape from the input's shape (vLLM's attention returns (tokens, H·d)).
+CEILINGS = {1: 12, 2: 19}
 
 
 def aten_ops(model) -> collections.Counter:

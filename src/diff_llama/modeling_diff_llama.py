@@ -276,8 +276,10 @@ class DiffLlamaV2Attention(DiffLlamaAttentionBase):
         attn_output, attn_weights = attention_interface(
             self, query_states, key_states, value_states, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
         )
-        # (batch, seq, H, d): maps 2i and 2i + 1 are differential head i's pair, taken as strided views (no copy).
-        first, second = attn_output[:, :, 0::2], attn_output[:, :, 1::2]
+        # (..., H, d): maps 2i and 2i + 1 are differential head i's pair, taken as strided views (no copy). Shaped
+        # from the input's shape, not indexed as (batch, seq, H, d): vLLM's attention returns (tokens, H·d).
+        heads = attn_output.reshape(*hidden_states.shape[:-1], -1, self.head_dim)
+        first, second = heads[..., 0::2, :], heads[..., 1::2, :]
         lambdas = self.differential_lambda(hidden_states)
         # first − λ·second in one op; addcmul promotes a bf16/fp16 pair to λ's float32.
         differential = torch.addcmul(first, lambdas.view(*lambdas.shape, 1), second, value=-1)
