@@ -237,7 +237,7 @@ def test_the_server_loads_a_diff_llamas_tokenizer_without_asking_for_processor_f
         managers[name] = manager_class.__new__(manager_class)
         managers[name].trust_remote_code = False
     with pytest.raises(OSError, match="preprocessor_config.json"):  # transformers' own loader reads it
-        managers["transformers"]._load_processor(str(model_dir), gguf_file=None)
+        managers["transformers"]._load_processor(f"{model_dir}@main", gguf_file=None)  # 5.19's server wants @revision
     processor = managers["diff-llama"]._load_processor(str(model_dir), gguf_file=None)
     assert isinstance(processor, PreTrainedTokenizerBase) and processor("The quick").input_ids
 
