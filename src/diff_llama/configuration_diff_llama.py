@@ -49,6 +49,20 @@ AUTO_MAP = {
     "AutoModelForTokenClassification": "modeling_diff_llama.DiffLlamaForTokenClassification",
     "AutoModelForQuestionAnswering": "modeling_diff_llama.DiffLlamaForQuestionAnswering",
 }
+# DIFF V2's plan in transformers' plain styles, for SGLang's Transformers backend: it registers its attention as
+# "sglang", reads the plan of the model it builds, and refuses any style it does not know, even on one GPU. Plain
+# blocks of rows keep DIFF V2's adjacent map pairs, their λ rows and their key/value heads on one rank whenever H/2
+# and G divide by the TP size (SGLang's attention requires that of G anyway).
+SGLANG_V2_TP_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.differential_lambda.lambda_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
 
 
 class DiffLlamaConfig(PreTrainedConfig):
@@ -157,21 +171,25 @@ class DiffLlamaConfig(PreTrainedConfig):
     def base_model_tp_plan(self) -> dict[str, str]:
         """Tensor-parallel plan (`tp_plan="auto"`). The attention styles are defined in `tensor_parallel_diff_llama.py`:
         version 1 splits q/k/v as packed halves (maps i and i + H/2 on one rank), DIFF V2 as blocks of adjacent pairs;
-        λ of version 1 is replicated. A layout the TP size cannot split is refused when the model is sharded."""
-        plan = {
-            "layers.*.self_attn": "diff_llama_attention",
-            "layers.*.self_attn.q_proj": "diff_llama_heads",
-            "layers.*.self_attn.k_proj": "diff_llama_heads",
-            "layers.*.self_attn.v_proj": "diff_llama_heads",
-            "layers.*.self_attn.o_proj": "rowwise",
-            "layers.*.mlp.gate_proj": "colwise",
-            "layers.*.mlp.up_proj": "colwise",
-            "layers.*.mlp.down_proj": "rowwise",
-        }
-        if self.diff_version == 2:
-            plan["layers.*.self_attn.differential_lambda.lambda_proj"] = "diff_llama_heads"
+        λ of version 1 is replicated. A layout the TP size cannot split is refused when the model is sharded. A DIFF V2
+        model that SGLang builds gets `SGLANG_V2_TP_PLAN`."""
+        if self.diff_version == 2 and getattr(self, "_attn_implementation", None) == "sglang":
+            plan = dict(SGLANG_V2_TP_PLAN)
         else:
-            plan["layers.*.self_attn.differential_lambda"] = "replicated_with_grad_allreduce"
+            plan = {
+                "layers.*.self_attn": "diff_llama_attention",
+                "layers.*.self_attn.q_proj": "diff_llama_heads",
+                "layers.*.self_attn.k_proj": "diff_llama_heads",
+                "layers.*.self_attn.v_proj": "diff_llama_heads",
+                "layers.*.self_attn.o_proj": "rowwise",
+                "layers.*.mlp.gate_proj": "colwise",
+                "layers.*.mlp.up_proj": "colwise",
+                "layers.*.mlp.down_proj": "rowwise",
+            }
+            if self.diff_version == 2:
+                plan["layers.*.self_attn.differential_lambda.lambda_proj"] = "diff_llama_heads"
+            else:
+                plan["layers.*.self_attn.differential_lambda"] = "replicated_with_grad_allreduce"
         # Entries transformers adds itself (older versions add the tied embedding's style in `__post_init__`).
         return {**plan, **self.__dict__.get("base_model_tp_plan", {})}
 

@@ -1,0 +1,68 @@
+"""What SGLang's Transformers backend needs from a DIFF V2 model, checked without SGLang (which needs a GPU or an
+AMX Xeon: docs/serving.md). SGLang registers its attention as "sglang", builds the model with it, and shards the
+linear layers by the model's tensor-parallel plan, refusing styles it does not know."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from conftest import tiny_config, tiny_model
+from diff_llama.configuration_diff_llama import SGLANG_V2_TP_PLAN
+
+# Transformers' own styles: the ones SGLang's backend accepts besides aliases of them.
+PLAIN_STYLES = {"colwise", "rowwise", "embedding_rowwise"}
+
+
+@pytest.fixture
+def sglang_attention(monkeypatch):
+    """The attention name SGLang registers, bound to transformers' SDPA (SGLang's own runs its paged KV cache)."""
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sglang", sdpa_attention_forward)
+
+
+def test_a_diff_v2_model_built_by_sglang_has_a_plan_in_plain_styles(sglang_attention):
+    model = tiny_model(diff_version=2, num_attention_heads=8, num_key_value_heads=2, attn_implementation="sglang")
+    plan = model.model.tp_plan
+    assert set(plan.values()) <= PLAIN_STYLES, plan
+    assert {key: plan[key] for key in SGLANG_V2_TP_PLAN} == SGLANG_V2_TP_PLAN
+    # Elsewhere, and for version 1 (two attention calls a layer, which SGLang cannot serve), the package's own styles.
+    assert "diff_llama_heads" in tiny_model(diff_version=2, num_attention_heads=8, num_key_value_heads=2).model.tp_plan.values()
+    version_1 = tiny_config(num_attention_heads=8, num_key_value_heads=2, attn_implementation="sglang")
+    assert "diff_llama_heads" in version_1.base_model_tp_plan.values()
+
+
+def _shard(linear: nn.Linear, style: str, rank: int, ranks: int) -> nn.Linear:
+    """What a colwise (blocks of output rows) or rowwise (blocks of input columns) style leaves on one rank."""
+    dim = 0 if style == "colwise" else 1
+    weight = linear.weight.chunk(ranks, dim=dim)[rank]
+    shard = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    shard.weight = nn.Parameter(weight.clone())
+    return shard
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (12, 2), (4, 2)])
+def test_the_sglang_plan_splits_diff_v2_attention_exactly(sglang_attention, heads, kv_heads):
+    """Each rank's q/k/v/λ rows and o_proj columns as the plan says: the ranks' outputs sum to the whole layer's, so
+    every differential head's map pair, its λ and its key/value heads are on one rank."""
+    model = tiny_model(diff_version=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       attn_implementation="sglang", seed=1)
+    attention = model.model.layers[0].self_attn
+    torch.nn.init.normal_(attention.differential_lambda.lambda_proj.weight, std=0.5)  # λ varying by token and head
+    hidden = torch.randn(2, 7, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    position_embeddings = model.model.rotary_emb(hidden, torch.arange(7)[None].expand(2, -1))
+
+    with torch.no_grad():
+        whole, _ = attention(hidden, position_embeddings)
+        ranks, summed = 2, torch.zeros_like(whole)
+        for rank in range(ranks):
+            shard = copy.deepcopy(attention)
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                setattr(shard, name, _shard(getattr(attention, name), SGLANG_V2_TP_PLAN[f"layers.*.self_attn.{name}"], rank, ranks))
+            shard.differential_lambda.lambda_proj.weight = nn.Parameter(
+                attention.differential_lambda.lambda_proj.weight.chunk(ranks)[rank].clone()
+            )
+            summed += shard(hidden, position_embeddings)[0]
+    torch.testing.assert_close(summed, whole, rtol=1e-5, atol=1e-5)
