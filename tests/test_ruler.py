@@ -159,3 +159,23 @@ def test_bad_ruler_input_is_refused_in_one_line_and_writes_nothing(tmp_path, two
     assert main(["ruler", two_models[0], "--output", str(out), "--lengths", "130", "--cases", "1"]) == 2
     assert "130 tokens" in capsys.readouterr().err
     assert not out.exists() and bad_file.read_text() == '{"cases": []}'
+
+
+@pytest.mark.slow
+def test_ruler_on_smollm2_and_its_exact_conversion(tmp_path):
+    """A few RULER cases end to end on the real SmolLM2-135M-Instruct and its DIFF V2 conversion: the conversion is
+    exact, so the two give the same verdict on every case, and SmolLM2 finds a passkey at 2K tokens."""
+    from diff_llama.conversion.converter import ConversionOptions, convert_llama_to_diff_llama
+    from diff_llama.smollm2 import smollm2_gguf_path
+
+    converted = tmp_path / "diff"
+    convert_llama_to_diff_llama(str(smollm2_gguf_path()), str(converted), ConversionOptions(evaluate=False),
+                                progress=False)
+    out = tmp_path / "ruler"
+    assert main(["ruler", "smollm2", str(converted), "--output", str(out), "--tasks", "niah_single_1",
+                 "niah_multikey_2", "--lengths", "2048", "--cases", "2"]) == 0
+    source, diff = json.loads((out / "ruler.json").read_text())["models"]
+    assert all(c["prompt_tokens"] < 2048 for c in source["cases"])
+    assert [c["correct"] for c in source["cases"]] == [c["correct"] for c in diff["cases"]]
+    assert source["summary"]["accuracy_by_cell"]["niah_single_1/2048"] > 0
+    assert "| SmolLM2-135M-Instruct | diff | all | all | " in (out / "ruler.md").read_text()

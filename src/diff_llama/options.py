@@ -235,7 +235,7 @@ class RulerOptions:
     tasks: list[str] = field(default_factory=lambda: list(RULER_OFFLINE_TASKS), metadata={
         "help": f"RULER needle tasks, built offline by lm-eval's RULER code: {', '.join(RULER_OFFLINE_TASKS)}"})
     lengths: list[int] = field(default_factory=lambda: [2048, 4096], metadata={
-        "help": "context lengths in tokens, as RULER counts them (the prompt plus max-new-tokens)"})
+        "help": "context lengths in tokens, as RULER counts them (its prompt plus 128 tokens for the answer)"})
     cases: int = field(default=10, metadata={"help": "cases per task and length"})
     seed: int = field(default=0, metadata={"help": "seed of the cases (the same cases for every model)"})
     cases_file: str | None = field(default=None, metadata={
