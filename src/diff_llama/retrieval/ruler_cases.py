@@ -1,9 +1,9 @@
 """RULER's needle-in-a-haystack cases (Hsieh et al. 2024, arXiv 2404.06654), built by lm-eval's own RULER code: a
 second case generator, independent of `cases.py`, for the same scoring and paired tests.
 
-Only the tasks whose haystack lm-eval generates are offered (`options.RULER_OFFLINE_TASKS`): `niah_single_1` hides one needle
-in a repeated paragraph, `niah_multikey_2` (numbers) and `niah_multikey_3` (UUIDs) among needle-shaped distractors
-with other keys. The other needle tasks need Paul Graham's essays from the Hugging Face Hub.
+Only the tasks whose haystack lm-eval generates are offered (`options.RULER_OFFLINE_TASKS`): `niah_single_1` hides
+one needle in a repeated paragraph, `niah_multikey_2` (numbers) and `niah_multikey_3` (UUIDs) among needle-shaped
+distractors with other keys. The other needle tasks need Paul Graham's essays from the Hugging Face Hub.
 
 A case is text (RULER's prompt and the start of the answer), so it is built once with one tokenizer, which sizes it
 to its length, saved as `ruler_cases.json`, and scored later, elsewhere, by any model (`diff-llama ruler
