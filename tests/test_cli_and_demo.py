@@ -116,7 +116,7 @@ def test_every_commands_help_is_fast_and_says_each_default_once():
     (["evaluate", "m", "--foo"], "unknown option --foo (diff-llama evaluate --help lists the options)"),
     (["serve", "m", "--prot", "80"], "did you mean --port?"),
     (["trian"], "unknown command 'trian'; did you mean 'train'? commands: convert, recover, train, generate, "
-                "attention-map, adapt, evaluate, serve, push, export-builtin, demo"),
+                "attention-map, adapt, evaluate, ruler, serve, push, export-builtin, demo"),
 ])
 def test_command_line_mistakes_are_one_line_with_the_nearest_fix(capsys, argv, expected):
     assert expected in _fails_in_one_line(capsys, argv)
@@ -142,7 +142,7 @@ def test_version_and_option_spellings(capsys):
                                      ["recover", "{missing}", "--output", "{out}", "--source", "{missing}"],
                                      ["convert", "{missing}", "{out}"], ["generate", "./nowhere/model.gguf", "Hi"],
                                      ["push", "{missing}", "alice/x"], ["adapt", "{missing}", "{out}"],
-                                     ["evaluate", "{missing}"]])
+                                     ["evaluate", "{missing}"], ["ruler", "{missing}"]])
 def test_a_missing_model_is_one_line_at_once(tmp_path, capsys, command):
     """A path that does not exist is never tried on the Hub (offline retries cost a minute, then a traceback)."""
     (tmp_path / "outputs").mkdir()
@@ -299,6 +299,8 @@ def test_attention_maps_are_the_models_maps(tokenizer, diff_version):
 @pytest.mark.parametrize("command, fix", [
     (["evaluate", "{model}", "--output", "{out}", "--lengths", "64", "--settings", "1x1", "--depths", "50",
       "--cases-per-depth", "1", "--perplexity-tokens", "0"], "new folder"),
+    (["ruler", "{model}", "--output", "{out}", "--tasks", "niah_single_1", "--lengths", "256", "--cases", "1"],
+     "new folder"),
     (["train", "{model}", "--data", "{text}", "--output", "{out}", "--max-steps", "1"], "new folder"),
     (["recover", "{model}", "--output", "{out}", "--source", "{model}", "--max-steps", "1"], "new folder"),
     (["adapt", "{model}", "{out}", "--max-steps", "1"], "new folder"),

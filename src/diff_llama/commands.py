@@ -116,6 +116,12 @@ def evaluate(models, options, command_options: o.EvaluateCommandOptions) -> int:
     return run_evaluate(models, options, overwrite=command_options.overwrite)
 
 
+def ruler(models, options, command_options: o.EvaluateCommandOptions) -> int:
+    from .retrieval.ruler import run_ruler
+
+    return run_ruler(models, options, overwrite=command_options.overwrite)
+
+
 def serve(model, options: o.ServeOptions) -> int:
     from .serving import serve
 

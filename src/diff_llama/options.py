@@ -218,6 +218,53 @@ class EvaluateCommandOptions:
         "it first, swapped in when the run is done)"})
 
 
+# RULER's needle tasks whose haystack lm-eval generates (a repeated paragraph, or needle-shaped distractors). The
+# others hide the needles in Paul Graham's essays, which lm-eval loads from the Hugging Face Hub.
+RULER_OFFLINE_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3")
+RULER_ESSAY_TASKS = ("niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue", "niah_multiquery")
+
+
+@dataclass
+class RulerOptions:
+    """Options of `diff-llama ruler` and of `retrieval.ruler.run_ruler`."""
+
+    output: str = field(default="outputs/ruler", metadata={
+        "help": "folder for ruler_cases.json, ruler.json, ruler.md and cases.jsonl (new or empty, or one holding an "
+        "interrupted run with the same models and options, which the run resumes)"})
+    names: list[str] | None = field(default=None, metadata={"help": "labels for the models in the tables"})
+    tasks: list[str] = field(default_factory=lambda: list(RULER_OFFLINE_TASKS), metadata={
+        "help": f"RULER needle tasks, built offline by lm-eval's RULER code: {', '.join(RULER_OFFLINE_TASKS)}"})
+    lengths: list[int] = field(default_factory=lambda: [2048, 4096], metadata={
+        "help": "context lengths in tokens, as RULER counts them (its prompt plus 128 tokens for the answer)"})
+    cases: int = field(default=10, metadata={"help": "cases per task and length"})
+    seed: int = field(default=0, metadata={"help": "seed of the cases (the same cases for every model)"})
+    cases_file: str | None = field(default=None, metadata={
+        "help": "score the cases in this ruler_cases.json (of an earlier run, or of --cases-only) instead of "
+        "building them; --tasks, --lengths, --cases and --seed then come from the file"})
+    cases_only: bool = field(default=False, metadata={
+        "help": "build the cases with MODEL's tokenizer and write --output/ruler_cases.json; score nothing"})
+    max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens generated per case at most (RULER's)"})
+    chat_template: bool = field(default=True, metadata={"help": "use the tokenizer's chat template when it has one"})
+    threads: int = field(default=2, metadata={"help": "torch CPU threads (0: torch's default)"})
+    dtype: str = field(default="float32", metadata={
+        "help": "float32, bfloat16, float16, or auto (bfloat16 where the device computes it in hardware, else "
+        "float32)"})
+    device: str = field(default="cpu", metadata={"help": "cpu, cuda, ..."})
+
+    def __post_init__(self):
+        for task in self.tasks:
+            if task in RULER_ESSAY_TASKS:
+                raise UserError(f"{task} hides its needles in Paul Graham's essays, which lm-eval downloads from the "
+                                f"Hugging Face Hub; give tasks built offline: {', '.join(RULER_OFFLINE_TASKS)}.")
+            if task not in RULER_OFFLINE_TASKS:
+                raise UserError(f"{task!r} is not a RULER needle task built offline; give some of "
+                                f"{', '.join(RULER_OFFLINE_TASKS)}.")
+        if self.cases < 1:
+            raise UserError(f"--cases {self.cases}: give at least 1 case per task and length.")
+        if self.cases_file and self.cases_only:
+            raise UserError("--cases-only builds the cases and --cases-file reads them; give one of the two.")
+
+
 @dataclass
 class AdaptationOptions:
     """Options of `diff-llama adapt` and of `adaptation.adapt`."""

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .errors import OutputExistsError
 
-# Written into every folder that evaluate, demo, attention-map and adapt create: the folder is ours to replace.
+# Written into every folder that evaluate, ruler, demo, attention-map and adapt create: the folder is ours to replace.
 MARKER = ".diff-llama-output"
 
 # Every name the commands write at the top of an output folder (model and tokenizer files, reports, plots, Trainer
@@ -37,6 +37,7 @@ PROJECT_FILES = (
     "conversion_report.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "chat_template.jinja", "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt",
     "retrieval.json", "retrieval.md", "retrieval.png", "cases.jsonl", "layer*-head*.png",
+    "ruler_cases.json", "ruler.json", "ruler.md",
     "adapt.json", "adapt.png", "checkpoint-*",
 )
 

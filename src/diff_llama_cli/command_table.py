@@ -83,6 +83,18 @@ COMMANDS: dict[str, Command] = {
         "the same cases, plus held-out perplexity. Writes retrieval.json, retrieval.md, retrieval.png and cases.jsonl "
         "into --output.",
     ),
+    "ruler": Command(
+        "compare models on RULER's needle tasks (built offline by lm-eval), with the paired McNemar test",
+        "ruler", (o.RulerOptions, o.EvaluateCommandOptions),
+        (("models", "model folder (LLaMA or DiffLlama), .gguf file, Hub id, or 'smollm2'",
+          {"nargs": "+", "metavar": "MODEL"}),),
+        "Build RULER's needle-in-a-haystack cases (niah_single_1, niah_multikey_2, niah_multikey_3) with lm-eval's "
+        "own RULER code, sized with the first MODEL's tokenizer, and score every MODEL on the same cases: greedy, "
+        "right when the model states every expected value; with two or more models, each is paired with the first "
+        "(exact McNemar test). Writes ruler_cases.json, cases.jsonl, ruler.json and ruler.md into --output. "
+        "--cases-only writes the cases alone, for a later run (elsewhere) with --cases-file. Needs lm-eval: pip "
+        "install 'diff-llama[ruler]'.",
+    ),
     "serve": Command(
         "serve a model over HTTP with the OpenAI API (transformers serve, loading DiffLlama models correctly)",
         "serve", (o.ServeOptions,), (("model", MODEL_HELP),),

@@ -6,7 +6,9 @@ One module per concern, in the order a run goes through them:
 - `scoring`: one case's greedy answer, its exact match, and the attention allocation of the answering position;
 - `evaluate`: every case through every model (`diff-llama evaluate`); models load through `resolve.load_model`;
 - `statistics`: summaries, the paired McNemar test, reports of separate runs merged;
-- `report`: the markdown tables, the plot and the files.
+- `report`: the markdown tables, the plot and the files;
+- `ruler_cases` and `ruler`: RULER's needle tasks, built by lm-eval's RULER code, scored and paired alike
+  (`diff-llama ruler`; imported on use, as they need lm-eval).
 """
 
 from .cases import (
@@ -23,12 +25,13 @@ from .cases import (
 )
 from .evaluate import display_name, evaluate_model, evaluate_models, run_evaluate
 from .report import markdown_report, plot_report, write_report
-from .scoring import attention_allocation, effective_attention_maps, map_kind, run_case, score_output
+from .scoring import attention_allocation, effective_attention_maps, greedy_answer, map_kind, run_case, score_output
 from .statistics import join_lengths, merge_reports, paired_comparison, summarize
 
 __all__ = [
     "CATEGORIES", "HELD_OUT_CITIES", "NOISE", "TRAINING_CITIES", "NeedleCase", "attention_allocation", "display_name",
-    "effective_attention_maps", "evaluate_model", "evaluate_models", "filler_sentences", "join_lengths", "make_case",
-    "make_cases", "map_kind", "markdown_report", "merge_reports", "needle_sentence", "paired_comparison",
-    "plot_report", "question_text", "run_case", "run_evaluate", "score_output", "summarize", "write_report",
+    "effective_attention_maps", "evaluate_model", "evaluate_models", "filler_sentences", "greedy_answer",
+    "join_lengths", "make_case", "make_cases", "map_kind", "markdown_report", "merge_reports", "needle_sentence",
+    "paired_comparison", "plot_report", "question_text", "run_case", "run_evaluate", "score_output", "summarize",
+    "write_report",
 ]

@@ -101,20 +101,23 @@ def _read_progress(progress_file: Path) -> list[dict]:
     return lines
 
 
-def interrupted_run(output: Path, run: dict) -> list[dict] | None:
-    """The results so far of an interrupted evaluation in `output` with the same models and options (`run`), to
-    resume; None when `output` holds no interrupted evaluation. Refuses one with other models or options."""
+def interrupted_run(output: Path, run: dict, command: str = "evaluate",
+                    report_file: str = "retrieval.json") -> list[dict] | None:
+    """The results so far of an interrupted run of `command` (evaluate, ruler) in `output` with the same models and
+    options (`run`), to resume; None when `output` holds no interrupted run of it (a finished one has its
+    `report_file`). Refuses one with other models or options."""
     from ..output_folder import read_marker
 
     marker = read_marker(output) if output.is_dir() else None
-    if not marker or marker.get("command") != "evaluate" or (output / "retrieval.json").exists():
+    if not marker or marker.get("command") != command or (output / report_file).exists():
         return None
     earlier = marker.get("run", {})
     pairs = [(earlier, run, ("models", "names")), (earlier.get("options", {}), run["options"], run["options"])]
     differ = [f"{key} {then.get(key)!r}, not {now[key]!r}" for then, now, keys in pairs for key in keys
               if then.get(key) != now[key]]
     if differ:
-        raise UserError(f"{output} holds an interrupted evaluation with other models or options "
+        label = "evaluation" if command == "evaluate" else f"{command} run"
+        raise UserError(f"{output} holds an interrupted {label} with other models or options "
                         f"({'; '.join(differ)}); pass the same ones to resume it, --overwrite to start over, or "
                         "choose a new folder.")
     return _read_progress(output / "cases.jsonl")

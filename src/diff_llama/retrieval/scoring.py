@@ -97,22 +97,24 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 @torch.no_grad()
-def run_case(model, tokenizer, case: NeedleCase, max_new_tokens: int = 48, allocation: bool = True) -> dict:
-    """Greedy answer to one case (with a cache) and, if `allocation`, the attention allocation of the position that
-    generates the first answer token."""
-    ids = torch.tensor([case.input_ids], device=model.device)
+def greedy_answer(model, tokenizer, input_ids: list[int], max_new_tokens: int, answered=None,
+                  categories: list[int] | None = None) -> tuple[str, dict | None]:
+    """The greedy continuation of `input_ids` (with a cache), stopped at an end-of-sequence token, after
+    `max_new_tokens`, or once `answered(text so far)` is true; and, given the `categories` of the prompt's tokens, the
+    attention allocation of the position that generates the first answer token."""
+    ids = torch.tensor([input_ids], device=model.device)
     backend = model.config._attn_implementation
     past = None
     if ids.shape[1] > 1:
         past = output_cache(model(input_ids=ids[:, :-1], use_cache=True))
     shares = None
-    if allocation:
+    if categories is not None:
         _set_attention(model, "eager")
         try:
             # Hidden states too: DIFF V2's λ is a function of each layer's input at this token.
             out = model(input_ids=ids[:, -1:], **cache_kwargs(past), use_cache=True, output_attentions=True,
                         output_hidden_states=True)
-            shares = attention_allocation(effective_attention_maps(model, out), case.categories)
+            shares = attention_allocation(effective_attention_maps(model, out), categories)
         finally:
             _set_attention(model, backend)
     else:
@@ -124,12 +126,20 @@ def run_case(model, tokenizer, case: NeedleCase, max_new_tokens: int = 48, alloc
         if token in stop:
             break
         generated.append(token)
-        # The answer is the first R numbers the model states: stop once R complete 7-digit-or-longer runs are out.
-        if len(_COMPLETE_NUMBER.findall(tokenizer.decode(generated, skip_special_tokens=True))) >= case.num_queries:
+        if answered is not None and answered(tokenizer.decode(generated, skip_special_tokens=True)):
             break
         if step + 1 < max_new_tokens:
             out = model(input_ids=torch.tensor([[token]], device=model.device), **cache_kwargs(output_cache(out)),
                         use_cache=True)
-    text = tokenizer.decode(generated, skip_special_tokens=True)
+    return tokenizer.decode(generated, skip_special_tokens=True), shares
+
+
+def run_case(model, tokenizer, case: NeedleCase, max_new_tokens: int = 48, allocation: bool = True) -> dict:
+    """Greedy answer to one case (with a cache) and, if `allocation`, the attention allocation of the position that
+    generates the first answer token."""
+    # The answer is the first R numbers the model states: stop once R complete 7-digit-or-longer runs are out.
+    text, shares = greedy_answer(model, tokenizer, case.input_ids, max_new_tokens,
+                                 lambda text: len(_COMPLETE_NUMBER.findall(text)) >= case.num_queries,
+                                 case.categories if allocation else None)
     found = score_output(text, case.query_numbers)
     return {"output": text, "found": found, "correct": all(found), "allocation": shares}

@@ -47,10 +47,10 @@ def summarize(results: list[dict]) -> dict:
     return summary
 
 
-def paired_comparison(first_cases: list[dict], second_cases: list[dict]) -> dict:
-    """Two models on the same cases: how many each alone got right, and the exact two-sided McNemar p-value (a
-    binomial test on the cases where they disagree), the test for paired proportions."""
-    if [c["seed"] for c in first_cases] != [c["seed"] for c in second_cases]:
+def paired_comparison(first_cases: list[dict], second_cases: list[dict], key: str = "seed") -> dict:
+    """Two models on the same cases (`key` names each case): how many each alone got right, and the exact two-sided
+    McNemar p-value (a binomial test on the cases where they disagree), the test for paired proportions."""
+    if [c[key] for c in first_cases] != [c[key] for c in second_cases]:
         raise UserError("paired_comparison needs the same cases in the same order (run both with the same options)")
     pairs = [(a["correct"], b["correct"]) for a, b in zip(first_cases, second_cases)]
     only_first = sum(a and not b for a, b in pairs)
