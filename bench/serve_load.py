@@ -17,7 +17,7 @@ the queue.
 
 Usage (the Hub is never asked):
     HF_HUB_OFFLINE=1 python -m bench serve_load [--model outputs/SmolLM2-135M-Instruct-diff] [--clients 32]
-        [--disconnects 4] [--max-tokens 32] [--prompt-tokens 128] [--threads 2] [--request-timeout 600]
+        [--disconnects 4] [--max-tokens 16] [--prompt-tokens 128] [--threads 2] [--request-timeout 600]
         [--output serve_load-cpu]
 Writes bench/results/NAME.{json,md} through the suite's writer; the server's log goes to --work-dir.
 """
@@ -37,7 +37,7 @@ import suite
 from serving_throughput import REPO, Server, build_prompts
 
 DEFAULT_MODEL = REPO / "outputs" / "SmolLM2-135M-Instruct-diff"
-CLIENTS, DISCONNECTS, MAX_TOKENS, PROMPT_TOKENS = 32, 4, 32, 128
+CLIENTS, DISCONNECTS, MAX_TOKENS, PROMPT_TOKENS = 32, 4, 16, 128
 REQUEST_TIMEOUT = 600
 CLIENT_MARGIN = 60  # a client gives up this long after the server's own deadline: waiting forever shows as a timeout
 SETTLE_SECONDS = 5
