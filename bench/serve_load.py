@@ -10,8 +10,9 @@ After all have finished: /health and one more request (the server is alive), and
 
 Figures: output tokens/s = completion tokens of the completed streams (their `usage`) / wall time from the first
 request to the last answer; requests/s = answered requests (any status) / the same wall time; time to first token
-(first content chunk) and total latency per stream, p50 and p99 (nearest rank); errors by kind; the server process's
-resident memory (VmRSS) when idle after the warm-up, its peak (sampled every 0.25 s) and 5 s after the last answer.
+(first content chunk, of every stream, those that leave included) and total latency of each completed stream, p50
+and p99 (nearest rank); errors by kind; the server process's resident memory (VmRSS) when idle after the warm-up,
+its peak (sampled every 0.25 s) and 5 s after the last answer.
 transformers' server generates for one request at a time, so a stream's time to first token is mostly its wait in
 the queue.
 
@@ -209,6 +210,8 @@ def run(folder: Path, clients: int = CLIENTS, disconnects: int = DISCONNECTS, ma
     """Start the server on `folder`, run the scenario, stop the server; the raw result (see `summarize`)."""
     from transformers import AutoTokenizer
 
+    import diff_llama  # noqa: F401  (the folder's config is a DiffLlama's: its tokenizer loads without remote code)
+
     folder = Path(folder)
     work = Path(work or REPO / "outputs" / "serve_load")
     work.mkdir(parents=True, exist_ok=True)
@@ -275,7 +278,7 @@ def summarize(result: dict) -> dict:
     streams = [r for r in records if r["kind"] == "stream"]
     completed = [r for r in streams if r["outcome"] == "completed"]
     tokens = sum(r.get("completion_tokens") or 0 for r in completed)
-    ttft = [r["ttft_s"] for r in streams if r["ttft_s"] is not None]
+    ttft = [r["ttft_s"] for r in records if r["kind"] != "bad" and r["ttft_s"] is not None]  # leavers' too
     latency = [r["latency_s"] for r in completed]
     errors: dict[str, int] = {}  # of the well-formed requests: what went wrong, by kind
     refusals: dict[str, int] = {}  # of the bad requests: what each got

@@ -218,6 +218,71 @@ def test_the_request_timeout_is_a_transformers_server_option():
         vllm_command("any-model", ServeOptions(engine="vllm", request_timeout=30))
 
 
+# ---- the load bench's own figures (bench/serve_load.py), from records of a run -------------------------------------
+
+
+def _load_result(bad_status=400, after_mb=1010.0):
+    streams = [{"kind": "stream", "outcome": "completed", "status": 200, "ttft_s": ttft, "latency_s": ttft + 2,
+                "completion_tokens": 16, "finish_reason": "length", "chunks": 15} for ttft in (1.0, 3.0, 5.0, 7.0)]
+    records = [*streams,
+               {"kind": "disconnect", "outcome": "left mid-stream", "status": 200, "ttft_s": 4.0, "latency_s": 4.5,
+                "chunks": 3},
+               {"kind": "stream", "outcome": "client timeout", "status": None, "ttft_s": None, "latency_s": 660.0,
+                "chunks": 0},
+               {"kind": "bad", "name": "max_tokens 0", "outcome": f"HTTP {bad_status}", "status": bad_status,
+                "expected_status": 400, "expected_words": "at least 1", "message": "max_tokens ... at least 1",
+                "latency_s": 0.01}]
+    return {"config": {"clients": 6, "disconnects": 1, "prompt_tokens": 128, "max_tokens": 16, "threads": 2,
+                       "dtype": "float32", "context": 8192, "request_timeout_s": 600, "server": "diff-llama serve"},
+            "wall_s": 10.0, "records": records, "memory_mb": {"idle": 1000.0, "peak": 1100.0, "after": after_mb},
+            "after": {"process_running": True, "health": 200, "request_status": 200, "request_s": 1.0},
+            "load_1min": {"before": 1.0, "after": 2.0}, "server_log_errors": []}
+
+
+@pytest.fixture(scope="module")
+def serve_load():
+    sys.path.insert(0, str(BENCH))
+    import serve_load
+
+    return serve_load
+
+
+def test_the_load_figures_count_completed_streams_over_the_wall_time(serve_load):
+    result = _load_result()
+    summary = serve_load.summarize(result)
+    assert (summary["streams"], summary["completed"], summary["left_mid_stream"]) == (5, 4, 1)
+    assert summary["completion_tokens"] == 64 and summary["tokens_per_s"] == pytest.approx(6.4)
+    assert summary["requests_per_s"] == pytest.approx(0.6)  # the 6 answered (the timed-out one had no answer)
+    assert summary["ttft_s"] == {"p50": 4.0, "p99": 7.0}  # nearest rank over the 5 streams with a first token
+    assert summary["latency_s"]["p50"] == 5.0 and summary["latency_s"]["max"] == 660.0
+    assert summary["errors"] == {"client timeout": 1} and summary["bad_requests"] == {"HTTP 400": 1}
+
+
+def test_survival_names_what_failed(serve_load):
+    assert serve_load.survival(_load_result())["failures"] == ["every stream answered",
+                                                                "no request past the request timeout"]
+    failures = serve_load.survival(_load_result(bad_status=500, after_mb=1200.0))["failures"]
+    assert {"every bad request refused with its 4xx and reason", "no 5xx",
+            "memory after within 100 MB of idle"} <= set(failures)
+
+
+def test_the_load_page_shows_the_figures_each_bad_request_and_each_check(serve_load):
+    result = _load_result()
+    result["summary"], result["survival"] = serve_load.summarize(result), serve_load.survival(result)
+    page = serve_load.render(result)
+    assert "| 4 of 5 | 1 | 64 | 10.0 | 6.4 | 0.60 | 4.0 / 7.0 |" in page
+    assert "| max_tokens 0 | 400 | 0.01 | max_tokens ... at least 1 |" in page
+    assert "| every stream answered | NO |" in page and "| no 5xx | yes |" in page
+    assert "client timeout: 1" in page
+
+
+def test_log_errors_keep_each_tracebacks_exception_line(serve_load):
+    log = ("INFO: started\nTraceback (most recent call last):\n  File \"x.py\", line 1\n    raise ValueError\n"
+           "ValueError: max_new_tokens must be greater than 0\nINFO: 500\n")
+    assert serve_load.log_errors(log) == ["ValueError: max_new_tokens must be greater than 0"]
+    assert serve_load.log_errors("INFO: fine\n") == []
+
+
 # ---- slow: the real model under load -------------------------------------------------------------------------------
 
 
