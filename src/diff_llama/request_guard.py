@@ -205,6 +205,7 @@ class RequestGuard:
 
     def __init__(self, app, model_manager, timeout: float | None = None):
         self.app, self.model_manager, self.timeout = app, model_manager, timeout or None
+        self.unanswered = set()  # requests answered by a timeout whose generation is still ending
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in JSON_PATHS:
@@ -254,28 +255,47 @@ class RequestGuard:
             check_length(path, body, prompt_tokens, context)
 
     async def answer_in_time(self, scope, receive, send):
-        import anyio
+        import asyncio
 
-        started = False
+        started = answered = False
 
         async def watched_send(message):
             nonlocal started
+            if answered:  # the guard answered for the server already: a late answer goes nowhere
+                return
             started = started or message["type"] == "http.response.start"
             await send(message)
 
-        with anyio.move_on_after(self.timeout) as deadline:
-            await self.app(scope, receive, watched_send)
-        if not deadline.cancelled_caught:
+        app = asyncio.ensure_future(self.app(scope, receive, watched_send))
+        try:
+            done, _ = await asyncio.wait({app}, timeout=self.timeout)
+        except asyncio.CancelledError:
+            app.cancel()
+            raise
+        if done:
+            app.result()  # the server's own exceptions go on to its error handling
             return
         error = RequestError(503, f"the request ran past the server's request timeout of {self.timeout:g} s, its "
                                   "wait for the model included (the model answers one request at a time): retry "
                                   "later, send fewer requests at once or ask for fewer tokens, or start the server "
                                   "with a longer --request-timeout", code="timeout")
-        if started:  # a stream: end it the way transformers' server ends a stream that failed
+        if started:  # a stream: cancelling it cancels its generation; end it as transformers' server ends a failed one
+            app.cancel()
+            await asyncio.gather(app, return_exceptions=True)
             await send({"type": "http.response.body", "body": b"data: " + error.json() + b"\n\n",
                         "more_body": False})
-        else:
-            await send_error(send, error)
+            return
+        answered = True
+        await send_error(send, error)
+        # Not cancelled: transformers' inference thread sets the awaited result when the generation ends, an error
+        # on a cancelled future. The generation stops at max_time (see served_model) and its answer is dropped.
+        self.unanswered.add(app)
+        app.add_done_callback(self._forget)
+
+    def _forget(self, app):
+        self.unanswered.discard(app)
+        if not app.cancelled():
+            app.exception()  # retrieved: an error of a request already answered is not logged as unhandled
 
 
 def body_limit(context: int | None) -> int | None:
