@@ -25,7 +25,7 @@ COMPLETION_INPUTS = {"/v1/chat/completions": "messages", "/v1/completions": "pro
 JSON_PATHS = {*COMPLETION_INPUTS, "/v1/responses", "/v1/systemone"}
 # A body is read before anything else, so its size is bounded by the context: JSON escapes a character in at most 12
 # bytes and a token seldom spans more than 16 characters, so no prompt that fits the context comes near 256 bytes a
-# token; tokenizing a longer body only to refuse it would cost seconds of CPU (1.5 s for 1.2 MB on a 2-core EPYC).
+# token; tokenizing a longer body only to refuse it would cost seconds of CPU, with every stream waiting.
 BODY_BYTES_PER_TOKEN = 256
 MIN_BODY_BYTES = 1 << 20
 TEXT_PARTS = ("text", "input_text", "output_text")
@@ -276,8 +276,7 @@ class RequestGuard:
             app.result()  # the server's own exceptions go on to its error handling
             return
         error = RequestError(503, f"the request ran past the server's request timeout of {self.timeout:g} s, its "
-                                  "wait for the model included (the model answers one request at a time): retry "
-                                  "later, send fewer requests at once or ask for fewer tokens, or start the server "
+                                  "wait for the model included: retry later, send fewer requests at once or ask for fewer tokens, or start the server "
                                   "with a longer --request-timeout", code="timeout")
         if started:  # a stream: cancelling it cancels its generation; end it as transformers' server ends a failed one
             app.cancel()
