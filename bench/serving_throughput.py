@@ -201,7 +201,7 @@ VLLM_CLI = ("import importlib.metadata as m, sys; found = m.version; "
             "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; sys.exit(main())")
 
 
-def server_command(engine: str, folder: Path, model: str, port: int) -> list[str]:
+def server_command(engine: str, folder: Path, model: str, port: int, extra_args=()) -> list[str]:
     if engine.startswith("vllm"):
         command = [sys.executable, "-c", VLLM_CLI, "serve", str(folder),
                    "--model-impl", "transformers" if engine == "vllm transformers" else "vllm",
@@ -212,15 +212,15 @@ def server_command(engine: str, folder: Path, model: str, port: int) -> list[str
             command.append("--trust-remote-code")
         return command
     return [str(Path(sys.executable).with_name("diff-llama")), "serve", str(folder), "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "float32"]
+            "--port", str(port), "--dtype", "float32", *extra_args]
 
 
 class Server:
     """One server subprocess in its own process group (vLLM starts an engine-core child), its log in a file."""
 
-    def __init__(self, engine: str, model: str, folder: Path, work: Path, threads: int):
+    def __init__(self, engine: str, model: str, folder: Path, work: Path, threads: int, extra_args=()):
         self.engine, self.model, self.port = engine, model, free_port()
-        self.command = server_command(engine, folder, model, self.port)
+        self.command = server_command(engine, folder, model, self.port, extra_args)
         self.log = work / f"server-{engine.replace(' ', '-')}-{model}.log"
         # the name requests give: vLLM serves --served-model-name; diff-llama serve accepts the folder as typed
         self.request_model = model if engine.startswith("vllm") else str(folder)

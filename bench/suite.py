@@ -38,6 +38,8 @@ BENCHMARKS = {
     "model_benchmark": "CPU speed and memory of both versions against the built-in DiffLlama and Llama, interleaved",
     "precision": "float32 against bfloat16 prefill and training on this CPU: what --dtype auto decides",
     "recovery": "held-out perplexity and mean |λ| against CPU minutes of `diff-llama recover`",
+    "serve_load": "diff-llama serve under 32 concurrent streams, clients that leave mid-stream and bad requests: "
+                  "throughput, latency percentiles, errors by kind, server memory (issue 42)",
     "serving_throughput": "output tokens/s of 16 concurrent chat requests to vLLM and transformers servers, SmolLM2 "
                           "against its DIFF V2 conversion (issue 34)",
     "retrieval": "merge `diff-llama evaluate` runs into one multi-needle retrieval table with paired tests",

