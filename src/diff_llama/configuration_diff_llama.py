@@ -51,6 +51,20 @@ AUTO_MAP = {
 }
 
 
+# DIFF V2's plan as vLLM reads it (styles colwise/rowwise; vLLM takes the first pattern that matches a layer's name, so
+# no pattern may be a prefix of another's layer).
+VLLM_DIFF_V2_TP_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.differential_lambda.lambda_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+
+
 class DiffLlamaConfig(PreTrainedConfig):
     r"""
     Configuration of a Differential Transformer (arXiv 2410.05258) with LLaMA's layout: pre-RMSNorm, SwiGLU, RoPE,
@@ -157,7 +171,13 @@ class DiffLlamaConfig(PreTrainedConfig):
     def base_model_tp_plan(self) -> dict[str, str]:
         """Tensor-parallel plan (`tp_plan="auto"`). The attention styles are defined in `tensor_parallel_diff_llama.py`:
         version 1 splits q/k/v as packed halves (maps i and i + H/2 on one rank), DIFF V2 as blocks of adjacent pairs;
-        λ of version 1 is replicated. A layout the TP size cannot split is refused when the model is sharded."""
+        λ of version 1 is replicated. A layout the TP size cannot split is refused when the model is sharded.
+
+        Built for vLLM (whose Transformers backend sets the attention implementation to "vllm"), DIFF V2's plan uses the
+        styles vLLM knows, since it replicates a layer whose style it does not know: plain column splits of q/k/v and
+        `lambda_proj` keep adjacent pairs and their λ on one rank wherever `vllm_tensor_parallel_problem` finds none."""
+        if self.diff_version == 2 and getattr(self, "_attn_implementation", None) == "vllm":
+            return {**VLLM_DIFF_V2_TP_PLAN, **self.__dict__.get("base_model_tp_plan", {})}
         plan = {
             "layers.*.self_attn": "diff_llama_attention",
             "layers.*.self_attn.q_proj": "diff_llama_heads",

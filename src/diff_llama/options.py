@@ -288,8 +288,8 @@ class AdaptCommandOptions:
 @dataclass
 class ServeOptions:
     """The options of transformers serve that matter for one model; `diff-llama serve` passes them through. With
-    `--engine vllm`, host, port, dtype, trust_remote_code and log_level go to `vllm serve`; the others are the
-    transformers server's own."""
+    `--engine vllm`, host, port, dtype, trust_remote_code and log_level go to `vllm serve`, with tensor_parallel_size
+    (vLLM's alone); the others are the transformers server's own."""
 
     engine: Literal["transformers", "vllm"] = field(default="transformers", metadata={
         "help": "transformers: transformers' own server (transformers serve); vllm: `vllm serve` through vLLM's "
@@ -306,3 +306,6 @@ class ServeOptions:
     quantization: str | None = field(default=None, metadata={"help": "bnb-4bit or bnb-8bit (needs bitsandbytes)"})
     continuous_batching: bool = field(default=False, metadata={"help": "continuous batching with paged attention"})
     log_level: str = field(default="warning", metadata={"help": "server log level: debug, info, warning, error"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "--engine vllm only: split the model over this many GPUs (on a CPU, processes); the model's heads "
+        "must divide by it"})
