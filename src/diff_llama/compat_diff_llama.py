@@ -27,8 +27,8 @@ CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ 
 def accepts_either_cache_name(forward):
     """Decorates a forward so that it takes the KV cache under both names: its own (from its signature) and the other,
     renamed to its own. Where transformers itself says `cache`, `past_key_values` is renamed with transformers' own
-    deprecation warning, as Llama's forwards do; elsewhere silently. Serves this file's forwards (`cache`) and, on older
-    transformers, Llama's inherited ones (`past_key_values`), which would otherwise drop a `cache` into `**kwargs`."""
+    deprecation warning, as Llama's forwards do; elsewhere silently. Serves the attention forwards (`cache`); the model
+    classes call Llama's inherited forwards through `with_installed_cache_name`."""
     own = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
     if own == CACHE_NAME == "cache":
         return reachable_by_qualname(deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward))
