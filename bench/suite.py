@@ -42,6 +42,8 @@ BENCHMARKS = {
                   "throughput, latency percentiles, errors by kind, server memory (issue 42)",
     "serving_throughput": "output tokens/s of 16 concurrent chat requests to vLLM and transformers servers, SmolLM2 "
                           "against its DIFF V2 conversion (issue 34)",
+    "vllm_startup": "seconds to start `diff-llama serve --engine vllm` with an empty vLLM compile cache, then with "
+                    "the cache the first start saved (issue 42)",
     "retrieval": "merge `diff-llama evaluate` runs into one multi-needle retrieval table with paired tests",
 }
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import diff_llama
 from conftest import tiny_model
@@ -110,3 +111,89 @@ def test_diff_v2_makes_its_one_attention_call_in_its_own_forward():
     (call,) = interface_calls(DiffLlamaV2Attention)
     assert [ast.unparse(k.value) for k in call.keywords if k.arg == "scaling"] == ["self.scaling"]
     assert interface_calls(DiffLlamaAttention) == []
+
+
+def test_tensor_parallel_goes_to_vllm_where_whole_heads_split(tmp_path, tokenizer):
+    """H = 8 (4 pairs) over G = 2 splits over 2 ranks: the size is passed to vLLM. H = 18 over G = 3 (the SmolLM2
+    conversion: 9 pairs) does not, and neither does G = 1 (one key/value head for both ranks)."""
+    from diff_llama.serving import vllm_command
+
+    def folder(heads, kv_heads):
+        path = tmp_path / f"v2-{heads}-{kv_heads}"
+        tiny_model(diff_version=2, vocab_size=len(tokenizer), num_attention_heads=heads, num_key_value_heads=kv_heads,
+                   hidden_size=96).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        return path
+
+    command = vllm_command(str(folder(8, 2)), ServeOptions(engine="vllm", tensor_parallel_size=2))
+    assert command[command.index("--tensor-parallel-size") + 1] == "2"
+    assert "--tensor-parallel-size" not in vllm_command(str(folder(8, 2)), ServeOptions(engine="vllm"))
+    for heads, kv_heads, named in ((18, 3, "= 9"), (8, 1, "num_key_value_heads = 1")):
+        result = _serve(folder(heads, kv_heads), "--tensor-parallel-size", "2")
+        err = result.stderr.strip()
+        assert result.returncode == 2 and "\n" not in err, err
+        assert "--tensor-parallel-size 2" in err and named in err and "sizes that work here: [1" in err, err
+
+
+def test_tensor_parallel_is_refused_for_the_transformers_server(model_folders):
+    env = dict(os.environ, PYTHONPATH=SRC, HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, "-m", "diff_llama.cli", "serve", str(model_folders[2]),
+                             "--tensor-parallel-size", "2"], env=env, capture_output=True, text=True, timeout=120)
+    err = result.stderr.strip()
+    assert result.returncode == 2 and "\n" not in err and "--engine vllm" in err, err
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_plan_vllm_reads_has_only_its_own_styles_for_diff_v2(version):
+    """vLLM's Transformers backend builds the model with the attention implementation "vllm" and replicates every
+    linear layer whose style it does not know (colwise, rowwise, ...); it takes the first plan pattern that matches a
+    layer's name as a regex prefix. transformers' own plan is unchanged."""
+    import re
+
+    from conftest import tiny_config
+
+    config = tiny_config(diff_version=version, num_attention_heads=8, num_key_value_heads=2)
+    transformers_plan = dict(config.base_model_tp_plan)
+    config._attn_implementation = "vllm"
+    plan = config.base_model_tp_plan
+    if version == 1:  # not served by vLLM at all
+        assert plan == transformers_plan
+        return
+    model = tiny_model(diff_version=2, num_attention_heads=8, num_key_value_heads=2)
+    styles = {}
+    for name, module in model.model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            pattern = next((p for p in plan if re.match(p, name)), None)
+            styles[name.split(".", 2)[-1]] = plan.get(pattern, "replicate")
+    assert styles == {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+                      "self_attn.o_proj": "rowwise", "self_attn.differential_lambda.lambda_proj": "colwise",
+                      "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
+    assert "diff_llama_heads" in transformers_plan.values()
+
+
+def test_every_forward_of_the_model_pickles_by_reference():
+    """torch's AOT compile, which vLLM's compile cache saves, pickles the functions a compiled forward refers to by
+    module and qualname: each forward the model's classes define, and each function inside its wrappers, must be what
+    its qualname leads to. (Forwards transformers wraps for subclasses itself, such as the decoder layer's, are its
+    own.)"""
+    import inspect
+    import pickle
+    import re
+
+    from diff_llama import modeling_diff_llama
+
+    classes = {modeling_diff_llama.DiffLlamaForSequenceClassification}
+    for version in (1, 2):
+        classes |= {type(module) for module in tiny_model(diff_version=version).modules()}
+    def defines_forward(cls):  # in its own source (transformers wraps a decoder layer's forward for each subclass)
+        return re.search(r"^\s+(def forward\(|forward = )", inspect.getsource(cls), re.MULTILINE) is not None
+
+    checked = 0
+    for cls in filter(defines_forward, classes):
+        function = cls.forward
+        assert pickle.loads(pickle.dumps(function)) is function, cls
+        while (function := getattr(function, "__wrapped__", None)) is not None:
+            if function.__module__ == modeling_diff_llama.__name__:
+                assert pickle.loads(pickle.dumps(function)) is function, function.__qualname__
+                checked += 1
+    assert checked >= 2  # the attention forwards under their cache-name wrapper, the rotary one under two

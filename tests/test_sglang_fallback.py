@@ -11,7 +11,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from conftest import tiny_config, tiny_model
-from diff_llama.configuration_diff_llama import SGLANG_V2_TP_PLAN
+from diff_llama.configuration_diff_llama import ENGINE_DIFF_V2_TP_PLAN
 
 # Transformers' own styles: the ones SGLang's backend accepts besides aliases of them.
 PLAIN_STYLES = {"colwise", "rowwise", "embedding_rowwise"}
@@ -27,7 +27,7 @@ def test_a_diff_v2_model_built_by_sglang_has_a_plan_in_plain_styles(sglang_atten
     model = tiny_model(diff_version=2, num_attention_heads=8, num_key_value_heads=2, attn_implementation="sglang")
     plan = model.model.tp_plan
     assert set(plan.values()) <= PLAIN_STYLES, plan
-    assert {key: plan[key] for key in SGLANG_V2_TP_PLAN} == SGLANG_V2_TP_PLAN
+    assert {key: plan[key] for key in ENGINE_DIFF_V2_TP_PLAN} == ENGINE_DIFF_V2_TP_PLAN
     # Elsewhere, and for version 1 (two attention calls a layer, which SGLang cannot serve), the package's own styles.
     assert "diff_llama_heads" in tiny_model(diff_version=2, num_attention_heads=8, num_key_value_heads=2).model.tp_plan.values()
     version_1 = tiny_config(num_attention_heads=8, num_key_value_heads=2, attn_implementation="sglang")
@@ -60,7 +60,7 @@ def test_the_sglang_plan_splits_diff_v2_attention_exactly(sglang_attention, head
         for rank in range(ranks):
             shard = copy.deepcopy(attention)
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                setattr(shard, name, _shard(getattr(attention, name), SGLANG_V2_TP_PLAN[f"layers.*.self_attn.{name}"], rank, ranks))
+                setattr(shard, name, _shard(getattr(attention, name), ENGINE_DIFF_V2_TP_PLAN[f"layers.*.self_attn.{name}"], rank, ranks))
             shard.differential_lambda.lambda_proj.weight = nn.Parameter(
                 attention.differential_lambda.lambda_proj.weight.chunk(ranks)[rank].clone()
             )

