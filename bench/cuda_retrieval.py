@@ -410,7 +410,7 @@ def run(plan: Plan, model: str, output: Path, work: Path, name: str = "cuda-retr
     output.mkdir(parents=True, exist_ok=True)
     result = Run(plan, model, work, started).execute()
     write_logs(work, output)
-    return suite.write_result("cuda_retrieval", output / name, result, render)
+    return suite.write_result("cuda_retrieval", output / name, result, render, echo=False)  # the script prints it
 
 
 def _pct(right: int, cases: int) -> str:
@@ -423,10 +423,10 @@ def render(result: dict) -> str:
     declared = result["declared_pairs"]
     ruler = result["cases"]["ruler"]
     lines = [
-        f"Retrieval after the same training: {LABELS['source']} against its {LABELS['v2']} ({plan['steps']} steps "
-        f"of `diff-llama adapt`, the same examples), scored on the same cases ({plan['device']}, {plan['dtype']} "
-        f"weights, greedy). Declared before the run: {result['declaration']}. Exact McNemar test, two-sided, "
-        f"α = {ALPHA}.", "",
+        f"Retrieval after the same training ({plan['steps']} steps of `diff-llama adapt`, the same examples): "
+        f"SmolLM2-135M-Instruct (the source) against its DIFF V2 conversion, on the same cases ({plan['device']}, "
+        f"{plan['dtype']} weights, greedy). Declared before the run: {result['declaration']}. Exact McNemar test, "
+        f"two-sided, α = {ALPHA}.", "",
         "| cases | pairs / declared | source right | DIFF V2 right | only source | only DIFF V2 | p | reading |",
         "|---|---|---|---|---|---|---|---|"]
     for generator in (*GENERATORS, "pooled"):

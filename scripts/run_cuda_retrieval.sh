@@ -23,8 +23,8 @@
 #   --payload D  stash D's files, join the model's halves and check them, install the wheels: the model is then
 #                the joined GGUF (unless --model).
 #   --model M    the source LLaMA: a .gguf file, a folder, or smollm2 (the default without --payload).
-#   --dry-run    the same steps with a tiny budget (2 training steps, 5 cases a model), on the CPU in a few minutes
-#                with SmolLM2 (seconds with a tiny model). Run it before spending GPU time.
+#   --dry-run    the same steps with a tiny budget (2 training steps, 5 cases a model): on a 2-core CPU about 5
+#                minutes with SmolLM2, 1 to 2 with a tiny LLaMA (--model). Run it before spending GPU time.
 #   --budget S   wall-clock seconds for everything, the join included (default 300).
 #   --workers N  scoring processes per model (default 7; the dry run 1).
 #   --work D     folder for the converted and trained models and the workers' files (default: a new folder in
