@@ -31,6 +31,8 @@ BENCHMARKS = {
     "conversion_quality": "held-out perplexity and KL of each version 1 conversion option on SmolLM2, before training",
     "convert_benchmark": "conversion time and peak memory on a synthetic 2 GB sharded LLaMA, against copying it",
     "cuda_benchmark": "training step, prefill and decoding speed and memory on a CUDA GPU, LLaMA against both versions",
+    "cuda_retrieval": "SmolLM2 and its DIFF V2 conversion trained alike, then paired on two case generators, on a "
+                      "CUDA GPU in five minutes (issue 40 §5)",
     "decode_speed": "version 1 decoding tokens/s against Llama, its generic kernel, DIFF V2 and a floor probe, with a "
                     "per-op profile of one step (issue 32)",
     "decode_ops": "aten ops in one decoding step (and with --timing/--products, what their parts cost)",

@@ -112,6 +112,19 @@ def test_cases_are_reproducible_and_vary_with_the_seed(tokenizer):
         make_case(tokenizer, 20, 0.25, 6, 2)  # the needles alone do not fit
 
 
+def test_a_share_of_the_case_plan_builds_the_very_cases_of_make_cases(tokenizer):
+    """Workers that each build a share of the cases from its plan (bench/cuda_retrieval.py) score what `evaluate`
+    scores."""
+    from diff_llama.options import RetrievalArguments
+    from diff_llama.retrieval import case_plan, make_cases
+
+    options = RetrievalArguments(lengths=[300], settings=["1x1", "4x2"], depths=[0.0, 50.0], cases_per_depth=2, seed=5)
+    plan = case_plan(options)
+    assert len({case["seed"] for case in plan}) == len(plan) == 8
+    share = plan[1::3]
+    assert [make_case(tokenizer, **case) for case in share] == make_cases(tokenizer, options)[1::3]
+
+
 def test_score_is_exact_match_of_whole_numbers():
     assert score_output("The magic number for Paris is 1234567.", [1234567]) == [True]
     assert score_output("1234567 and 7654321", [7654321, 1234567]) == [True, True]

@@ -239,8 +239,8 @@ class RulerOptions:
     cases: int = field(default=10, metadata={"help": "cases per task and length"})
     seed: int = field(default=0, metadata={"help": "seed of the cases (the same cases for every model)"})
     cases_file: str | None = field(default=None, metadata={
-        "help": "score the cases in this ruler_cases.json (of an earlier run, or of --cases-only) instead of "
-        "building them; --tasks, --lengths, --cases and --seed then come from the file"})
+        "help": "score the cases in this ruler_cases.json (of an earlier run, or of --cases-only; gzipped too) "
+        "instead of building them; --tasks, --lengths, --cases and --seed then come from the file"})
     cases_only: bool = field(default=False, metadata={
         "help": "build the cases with MODEL's tokenizer and write --output/ruler_cases.json; score nothing"})
     max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens generated per case at most (RULER's)"})

@@ -17,6 +17,7 @@ from .cases import (
     NOISE,
     TRAINING_CITIES,
     NeedleCase,
+    case_plan,
     filler_sentences,
     make_case,
     make_cases,
@@ -29,9 +30,9 @@ from .scoring import attention_allocation, effective_attention_maps, greedy_answ
 from .statistics import join_lengths, merge_reports, paired_comparison, summarize
 
 __all__ = [
-    "CATEGORIES", "HELD_OUT_CITIES", "NOISE", "TRAINING_CITIES", "NeedleCase", "attention_allocation", "display_name",
-    "effective_attention_maps", "evaluate_model", "evaluate_models", "filler_sentences", "greedy_answer",
-    "join_lengths", "make_case", "make_cases", "map_kind", "markdown_report", "merge_reports", "needle_sentence",
-    "paired_comparison", "plot_report", "question_text", "run_case", "run_evaluate", "score_output", "summarize",
-    "write_report",
+    "CATEGORIES", "HELD_OUT_CITIES", "NOISE", "TRAINING_CITIES", "NeedleCase", "attention_allocation", "case_plan",
+    "display_name", "effective_attention_maps", "evaluate_model", "evaluate_models", "filler_sentences",
+    "greedy_answer", "join_lengths", "make_case", "make_cases", "map_kind", "markdown_report", "merge_reports",
+    "needle_sentence", "paired_comparison", "plot_report", "question_text", "run_case", "run_evaluate", "score_output",
+    "summarize", "write_report",
 ]

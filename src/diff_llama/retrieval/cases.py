@@ -218,13 +218,14 @@ def make_case(tokenizer, length: int, depth: float, num_needles: int, num_querie
                       categories=categories)
 
 
+def case_plan(options: RetrievalArguments) -> list[dict]:
+    """What `make_cases` builds, case by case, without a tokenizer: each case's `make_case` arguments. Its seed names
+    it, so that a share of the cases can be built (and scored) apart from the rest."""
+    return [dict(length=length, depth=depth / 100, num_needles=num_needles, num_queries=num_queries,
+                 seed=f"{options.seed}-{length}-{num_needles}x{num_queries}-{depth:g}-{index}")
+            for length in options.lengths for num_needles, num_queries in options.parsed_settings()
+            for depth in options.depths for index in range(options.cases_per_depth)]
+
+
 def make_cases(tokenizer, options: RetrievalArguments) -> list[NeedleCase]:
-    cases = []
-    for length in options.lengths:
-        for num_needles, num_queries in options.parsed_settings():
-            for depth in options.depths:
-                for index in range(options.cases_per_depth):
-                    seed = f"{options.seed}-{length}-{num_needles}x{num_queries}-{depth:g}-{index}"
-                    cases.append(make_case(tokenizer, length, depth / 100, num_needles, num_queries, seed,
-                                           chat_template=options.chat_template))
-    return cases
+    return [make_case(tokenizer, **case, chat_template=options.chat_template) for case in case_plan(options)]

@@ -13,6 +13,7 @@ to its length, saved as `ruler_cases.json`, and scored later, elsewhere, by any 
 from __future__ import annotations
 
 import contextlib
+import gzip
 import io
 import json
 import random
@@ -97,14 +98,16 @@ def write_case_file(contents: dict, path: str | Path) -> Path:
 
 
 def read_case_file(path: str | Path) -> dict:
-    """The contents of a ruler_cases.json, checked to be one."""
+    """The contents of a ruler_cases.json (or of its gzip, .json.gz, as the project keeps saved cases), checked to
+    be one."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"--cases-file {path} does not exist; give the ruler_cases.json of an earlier `diff-llama "
                         "ruler` run (or of --cases-only).")
     try:
-        contents = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError):
+        data = path.read_bytes()
+        contents = json.loads(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
+    except (ValueError, UnicodeDecodeError, OSError, EOFError):  # not JSON, or a broken gzip
         contents = None
     if not isinstance(contents, dict) or contents.get("format") != FORMAT or not contents.get("cases"):
         raise UserError(f"{path} is not a RULER case file of diff-llama; give the ruler_cases.json of an earlier "

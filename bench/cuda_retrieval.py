@@ -1,0 +1,498 @@
+"""The retrieval question on a CUDA GPU, in ONE run of five minutes (issue 40 §5): SmolLM2-135M-Instruct and its exact
+DIFF V2 conversion, trained alike by `diff-llama adapt`, then scored on the same cases from two independent
+generators, with the paired McNemar test per generator and pooled. The test, its sample sizes and what counts as
+confirmed were declared before any run: docs/results/2026-11-27-gpu-retrieval-declaration.md.
+
+Steps, each a `diff-llama` command or the project's own scoring functions:
+1. `diff-llama convert SOURCE WORK/v2 --diff-version 2` (exact) while `diff-llama adapt SOURCE WORK/adapted-source`
+   trains the source; then `diff-llama adapt WORK/v2 WORK/adapted-v2` with the same options. The example stream
+   depends on the seed alone, so both models train on the same examples. The recipe is `adapt`'s default (90 steps,
+   examples up to 4K tokens), the one whose gain on the project's own cases is in question; its probes run at the
+   start and the end only (they do not change the training).
+2. The cases: the project's own (`retrieval.case_plan` and `make_case`, what `diff-llama evaluate` builds: the
+   multi-needle settings 4x2 and 6x2 at 2K and 4K tokens, seed 7, never used before), and RULER's, built by lm-eval's
+   RULER code on a CPU and saved in bench/cases/ (lm-eval is not needed here).
+3. As each trained model is saved, `--workers` processes score its share of the cases: each builds its own cases
+   with the model's tokenizer and scores them with `retrieval.run_case` (as `diff-llama evaluate` does), and the
+   RULER ones with `retrieval.ruler.run_ruler_case` (as `diff-llama ruler` does). A step of a 135M model on a GPU is
+   mostly kernel launches from Python, so processes, not batches, fill the GPU. The cases are shuffled with a fixed
+   seed before they are shared out, so a run cut short has scored a random subset of every cell.
+4. The cases both models scored are paired; the exact McNemar test (`retrieval.paired_comparison`) per generator and
+   pooled; NAME.json (with the suite's metadata) and NAME.md.
+
+The time guard (`--max-seconds`, the whole run): `adapt` gets 35% of it as its own training budget (it stops early
+and says so; the run then does not count as the declared one), the trainings are stopped at 60%, the scoring
+processes 15 seconds before the end; every result a worker wrote until then is kept (each case is appended to its
+file as it is scored) and the report is written from them.
+
+Usage: python -m bench cuda_retrieval --model SOURCE --output DIR --work DIR [--name cuda-retrieval]
+                                      [--max-seconds S] [--workers W] [--dry-run]
+scripts/run_cuda_retrieval.sh runs it on a GPU machine (the model arrives there in two calls; see that script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STARTED = time.monotonic()  # the time budget counts the imports too
+
+import suite  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+RULER_CASES = REPO / "bench" / "cases" / "ruler-smollm2-2k-4k.json.gz"
+DECLARATION = "docs/results/2026-11-27-gpu-retrieval-declaration.md"
+ALPHA = 0.05
+MIN_PAIRS = 1000  # the declared sample: fewer paired cases and the run does not test the declaration
+MODELS = ("source", "v2")
+LABELS = {"source": "SmolLM2-135M-Instruct, adapted", "v2": "DIFF V2 conversion, adapted"}
+GENERATORS = {"own": "the project's own (`make_cases`)", "ruler": "RULER (lm-eval's RULER code)"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one run trains and scores, and how its time is shared out."""
+
+    device: str = "cuda"
+    dtype: str = "bfloat16"  # the scored models' weights; training autocasts (`adapt --autocast auto`)
+    steps: int = 90  # adapt's default recipe
+    adapt_options: tuple = ()  # more `diff-llama adapt` options (the dry run's short examples)
+    own_lengths: tuple = (2048, 4096)
+    own_settings: tuple = ("4x2", "6x2")
+    own_depths: tuple = (0.0, 25.0, 50.0, 75.0, 100.0)
+    own_cases_per_depth: int = 25
+    own_seed: int = 7
+    ruler_file: str = str(RULER_CASES)
+    ruler_lengths: tuple | None = None  # None: every length in the file
+    ruler_cases_per_cell: int | None = None  # None: every case of each (task, length)
+    workers: int = 7  # scoring processes per model
+    max_seconds: float | None = None
+    training_share: float = 0.35  # adapt's own budget, of the training steps alone
+    training_stop: float = 0.6  # the trainings (and the conversion) are stopped at this share of the budget
+    report_seconds: float = 15.0  # kept at the end for the report
+    dry_run: bool = False
+
+    @classmethod
+    def for_dry_run(cls, device: str, **changes) -> "Plan":
+        """The same steps with a tiny budget: two training steps on short examples, five cases a model."""
+        values = dict(device=device, dtype="float32", steps=2, own_lengths=(512,), own_settings=("2x1",),
+                      own_depths=(0.0, 100.0), own_cases_per_depth=1, ruler_lengths=(2048,), ruler_cases_per_cell=1,
+                      workers=1, dry_run=True,
+                      adapt_options=("--min-length", "384", "--max-length", "512", "--max-needles", "2",
+                                     "--max-queries", "2", "--text-block", "128", "--warmup-steps", "1",
+                                     "--eval-lengths", "512", "--eval-settings", "2x1"))
+        return cls(**{**values, **changes})
+
+    def declared_pairs(self, ruler_cases: int) -> dict:
+        own = (len(self.own_lengths) * len(self.own_settings) * len(self.own_depths) * self.own_cases_per_depth)
+        return {"own": own, "ruler": ruler_cases}
+
+
+class Job:
+    """One child process (a `diff-llama` command or a scoring worker), its log, and how it ended."""
+
+    def __init__(self, name: str, command: list, log: Path):
+        self.name, self.command, self.log = name, [str(part) for part in command], log
+        self.started = time.monotonic()
+        with open(log, "w") as handle:
+            self.process = subprocess.Popen(self.command, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO)
+        self.stopped_by_guard = False
+        self.seconds = None
+
+    def poll(self) -> int | None:
+        code = self.process.poll()
+        if code is not None and self.seconds is None:
+            self.seconds = time.monotonic() - self.started
+        return code
+
+    def stop(self):
+        """Stop it at the time limit: SIGTERM, then SIGKILL after 5 seconds."""
+        if self.poll() is not None:
+            return
+        self.stopped_by_guard = True
+        self.process.terminate()
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.poll()
+
+    def record(self) -> dict:
+        return {"command": shlex.join(self.command), "returncode": self.poll(), "stopped_by_time_guard":
+                self.stopped_by_guard, "seconds": None if self.seconds is None else round(self.seconds, 1)}
+
+
+def cli(*args) -> list:
+    return [sys.executable, "-m", "diff_llama.cli", *args]
+
+
+def adapt_command(plan: Plan, model, output: Path, name: str) -> list:
+    """The same `diff-llama adapt` options for both models; only the model, its folder and its label differ."""
+    budget = max(1.0, plan.training_share * plan.max_seconds) if plan.max_seconds else 3600.0
+    return cli("adapt", model, output, "--name", name, "--max-steps", plan.steps, "--max-seconds", f"{budget:.0f}",
+               "--eval-every", 0, "--eval-cases", 1, "--threads", 1, "--seed", 0, *plan.adapt_options)
+
+
+def own_options(plan: Plan):
+    """The project's own cases: what `diff-llama evaluate --lengths ... --settings ... --depths ...
+    --cases-per-depth ... --seed ...` scores."""
+    from diff_llama.options import RetrievalArguments
+
+    return RetrievalArguments(lengths=list(plan.own_lengths), settings=list(plan.own_settings),
+                              depths=list(plan.own_depths), cases_per_depth=plan.own_cases_per_depth,
+                              seed=plan.own_seed)
+
+
+def select_ruler_cases(plan: Plan) -> dict:
+    """The saved RULER file's description and the cases this plan scores."""
+    from diff_llama.retrieval.ruler_cases import read_case_file
+
+    contents = read_case_file(plan.ruler_file)
+    cases = [case for case in contents["cases"]
+             if (plan.ruler_lengths is None or case["length"] in plan.ruler_lengths)
+             and (plan.ruler_cases_per_cell is None or case["index"] < plan.ruler_cases_per_cell)]
+    return {"about": {key: value for key, value in contents.items() if key != "cases"}, "cases": cases}
+
+
+def shared_out(keys: list[str], workers: int) -> list[list[str]]:
+    """The case keys, shuffled with a fixed seed, dealt to the workers: a run stopped early has a random subset."""
+    keys = list(keys)
+    random.Random(0).shuffle(keys)
+    return [keys[index::workers] for index in range(workers)]
+
+
+def score_share(spec_file: str) -> int:
+    """A worker: load one trained model, score the cases its spec names, append each result to its file."""
+    import torch
+
+    from diff_llama.options import RetrievalArguments
+    from diff_llama.resolve import load_model
+    from diff_llama.retrieval import case_plan, make_case, run_case
+    from diff_llama.retrieval.evaluate import case_fields
+    from diff_llama.retrieval.ruler import run_ruler_case
+    from diff_llama.retrieval.ruler_cases import read_case_file
+
+    spec = json.loads(Path(spec_file).read_text())
+    torch.set_num_threads(1)  # the GPU does the work; a core per worker
+    model, tokenizer = load_model(spec["model"], spec["dtype"], spec["device"])
+    own = {case["seed"]: case for case in case_plan(RetrievalArguments(**spec["own_options"]))}
+    ruler = {case["id"]: case for case in read_case_file(spec["ruler_file"])["cases"]}
+    with open(spec["results"], "a") as results:
+        for key in spec["keys"]:
+            generator, _, ident = key.partition("/")
+            started = time.perf_counter()
+            if generator == "own":  # built here, as `evaluate` builds it: with this model's tokenizer
+                case = make_case(tokenizer, **own[ident])
+                result = {**case_fields(case), **run_case(model, tokenizer, case)}
+            else:
+                result = run_ruler_case(model, tokenizer, ruler[ident])
+            result["seconds"] = round(time.perf_counter() - started, 3)
+            results.write(json.dumps({"key": key, "generator": generator, **result}) + "\n")
+            results.flush()
+    return 0
+
+
+def read_results(files) -> dict:
+    """{key: result} from workers' files; a line cut short when a worker was stopped is left out."""
+    found = {}
+    for file in files:
+        if not Path(file).exists():
+            continue
+        for line in Path(file).read_text().splitlines():
+            try:
+                result = json.loads(line)
+            except ValueError:
+                continue
+            found[result["key"]] = result
+    return found
+
+
+def compare(results: dict, keys: list[str]) -> dict:
+    """Pairs scored by both models, in the cases' order, and the paired test per generator and pooled."""
+    from diff_llama.retrieval import paired_comparison
+
+    paired = [key for key in keys if all(key in results[name] for name in MODELS)]
+    comparison = {}
+    for generator in (*GENERATORS, "pooled"):
+        subset = [key for key in paired if generator == "pooled" or key.startswith(generator + "/")]
+        first, second = ([results[name][key] for key in subset] for name in MODELS)
+        comparison[generator] = {**paired_comparison(first, second, key="key"),
+                                 "source_right": sum(r["correct"] for r in first),
+                                 "v2_right": sum(r["correct"] for r in second)}
+    return comparison
+
+
+def cell_of(result: dict) -> str:
+    if result["generator"] == "own":
+        return f"own/{result['length']}/{result['num_needles']}x{result['num_queries']}"
+    return f"ruler/{result['length']}/{result['task']}"
+
+
+def accuracy_by_cell(results: dict, keys: list[str]) -> dict:
+    """{cell: [pairs, source right, V2 right]} over the paired cases."""
+    cells = {}
+    for key in keys:
+        if all(key in results[name] for name in MODELS):
+            row = cells.setdefault(cell_of(results["source"][key]), [0, 0, 0])
+            row[0] += 1
+            row[1] += results["source"][key]["correct"]
+            row[2] += results["v2"][key]["correct"]
+    return cells
+
+
+def reading(test: dict, counts: bool) -> str:
+    """What a test says under the declaration: only a complete run counts."""
+    if not counts:
+        return "does not count (see notes)"
+    if test["p_value"] >= ALPHA:
+        return "no difference shown"
+    return "DIFF V2 ahead" if test["only_second"] > test["only_first"] else "source ahead"
+
+
+def training_history(work: Path, name: str) -> dict | None:
+    path = work / f"adapted-{name}" / "adapt.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def notes_on(result: dict) -> list[str]:
+    """Why a run does not count as the declared test (empty when it does)."""
+    notes = []
+    if result["plan"]["dry_run"]:
+        notes.append("dry run: the code path on a tiny budget, not the declared run")
+    for name in MODELS:
+        history = result["training"].get(name)
+        if history is None:
+            notes.append(f"{LABELS[name]}: no training finished")
+        elif history.get("stopped_by_budget") or len(history["steps"]) != result["plan"]["steps"]:
+            notes.append(f"{LABELS[name]}: trained {len(history['steps'])} of {result['plan']['steps']} steps")
+    if result["mismatched_prompts"]:
+        notes.append(f"{len(result['mismatched_prompts'])} paired cases differ between the models' prompts")
+    pairs = result["comparison"]["pooled"]["cases"]
+    if pairs < MIN_PAIRS and not result["plan"]["dry_run"]:
+        notes.append(f"{pairs} paired cases, fewer than the declared {MIN_PAIRS}")
+    for name, job in result["jobs"].items():
+        if job["stopped_by_time_guard"]:
+            notes.append(f"{name} was stopped by the time guard")
+        elif job["returncode"] not in (0, None):
+            notes.append(f"{name} failed (exit {job['returncode']}; see logs.txt)")
+    return notes
+
+
+class Run:
+    """The steps of one run and the time guard over them."""
+
+    def __init__(self, plan: Plan, model: str, work: Path, started: float):
+        self.plan, self.model, self.work, self.started = plan, model, work, started
+        self.jobs: dict[str, Job] = {}
+        self.logs = work / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+
+    def left(self) -> float:
+        if self.plan.max_seconds is None:
+            return float("inf")
+        return self.plan.max_seconds - (time.monotonic() - self.started)
+
+    def start(self, name: str, command: list):
+        print(f"[{time.monotonic() - self.started:6.1f} s] start {name}", flush=True)
+        self.jobs[name] = Job(name, command, self.logs / f"{name}.log")
+
+    def finished(self, name: str) -> bool:
+        return name in self.jobs and self.jobs[name].poll() is not None
+
+    def start_workers(self, model: str, shares: list, spec: dict):
+        for index, keys in enumerate(shares):
+            spec_file = self.work / f"score-{model}-{index}.json"
+            spec_file.write_text(json.dumps({**spec, "model": str(self.work / f"adapted-{model}"), "keys": keys,
+                                             "results": str(self.work / f"results-{model}-{index}.jsonl")}))
+            self.start(f"score-{model}-{index}", [sys.executable, "-m", "bench", "cuda_retrieval", "--score",
+                                                  spec_file])
+
+    def execute(self) -> dict:
+        from diff_llama.retrieval import case_plan
+
+        plan, work = self.plan, self.work
+        self.start("convert", cli("convert", self.model, work / "v2", "--diff-version", 2, "--no-evaluate"))
+        self.start("adapt-source", adapt_command(plan, self.model, work / "adapted-source", LABELS["source"]))
+        options = own_options(plan)
+        own, ruler = case_plan(options), select_ruler_cases(plan)
+        keys = [f"own/{case['seed']}" for case in own] + [f"ruler/{case['id']}" for case in ruler["cases"]]
+        shares = shared_out(keys, plan.workers)
+        spec = {"device": plan.device, "dtype": plan.dtype, "own_options": dataclasses.asdict(options),
+                "ruler_file": plan.ruler_file}
+        try:
+            self.guard(shares, spec)
+        finally:  # an error here (or Ctrl-C) leaves no process behind
+            for job in self.jobs.values():
+                job.stop()
+        results = {model: read_results(self.work.glob(f"results-{model}-*.jsonl")) for model in MODELS}
+        return self.report(own, ruler, keys, results)
+
+    def guard(self, shares: list, spec: dict):
+        """Start each step once what it needs is there, and stop what still runs when its time is up."""
+        plan, work = self.plan, self.work
+        pending = {"source", "v2"}  # models whose workers have not started
+        training_end = plan.training_stop * plan.max_seconds if plan.max_seconds else None
+        while True:
+            idle = all(job.poll() is not None for job in self.jobs.values())
+            elapsed, started = time.monotonic() - self.started, False
+            in_time = self.left() >= plan.report_seconds
+            if (in_time and (training_end is None or elapsed < training_end) and "adapt-v2" not in self.jobs
+                    and self.jobs["convert"].poll() == 0):
+                self.start("adapt-v2", adapt_command(plan, work / "v2", work / "adapted-v2", LABELS["v2"]))
+                started = True
+            for model in sorted(pending):
+                if in_time and self.finished(f"adapt-{model}") and self.jobs[f"adapt-{model}"].poll() == 0:
+                    pending.discard(model)
+                    self.start_workers(model, shares, spec)
+                    started = True
+            if idle and not started:
+                break
+            if training_end is not None and elapsed > training_end:
+                for name in ("convert", "adapt-source", "adapt-v2"):
+                    if name in self.jobs and self.jobs[name].poll() is None:
+                        print(f"[{elapsed:6.1f} s] time guard: stopping {name}", flush=True)
+                        self.jobs[name].stop()
+            if not in_time and not idle:
+                print(f"[{elapsed:6.1f} s] time guard: stopping what still runs", flush=True)
+                for job in self.jobs.values():
+                    job.stop()
+            time.sleep(0.5)
+
+    def report(self, own: list, ruler: dict, keys: list, results: dict) -> dict:
+        plan = self.plan
+        seconds = [r["seconds"] for model in MODELS for r in results[model].values()]
+        paired = [key for key in keys if all(key in results[model] for model in MODELS)]
+        # Each model's worker built its cases with its own tokenizer: the pairs must have been the same prompts.
+        mismatched = [key for key in paired if any(results["source"][key][field] != results["v2"][key][field]
+                                                   for field in ("prompt_tokens", "expected"))]
+        return {"plan": dataclasses.asdict(plan), "model": self.model, "device": plan.device,
+                "declaration": DECLARATION,
+                "cases": {"own": {"generator": "diff_llama.retrieval.make_cases", "count": len(own),
+                                  "lengths": list(plan.own_lengths), "settings": list(plan.own_settings),
+                                  "depths": list(plan.own_depths), "cases_per_depth": plan.own_cases_per_depth,
+                                  "seed": plan.own_seed},
+                          "ruler": {**ruler["about"], "file": os.path.relpath(plan.ruler_file, REPO),
+                                    "count": len(ruler["cases"])}},
+                "declared_pairs": plan.declared_pairs(len(ruler["cases"])),
+                "training": {model: training_history(self.work, model) for model in MODELS},
+                "mismatched_prompts": mismatched,
+                "jobs": {name: job.record() for name, job in self.jobs.items()},
+                "comparison": compare(results, keys), "accuracy_by_cell": accuracy_by_cell(results, keys),
+                "median_case_seconds": {model: statistics.median([r["seconds"] for r in results[model].values()])
+                                        if results[model] else None for model in MODELS},
+                "scored": {model: len(results[model]) for model in MODELS},
+                "results": {model: [results[model][key] for key in keys if key in results[model]]
+                            for model in MODELS},
+                "seconds": round(time.monotonic() - self.started, 1), "case_seconds_total": round(sum(seconds), 1)}
+
+
+def write_logs(work: Path, output: Path):
+    """Every child's log in one file (a GPU run brings back a few files only)."""
+    parts = []
+    for log in sorted((work / "logs").glob("*.log")):
+        parts.append(f"==== {log.stem}\n{log.read_text(errors='replace')[-20000:]}")
+    (output / "logs.txt").write_text("\n".join(parts))
+
+
+def run(plan: Plan, model: str, output: Path, work: Path, name: str = "cuda-retrieval",
+        started: float = STARTED) -> Path:
+    """The run (`started`: when its budget began), its logs and its report in `output`; returns the JSON."""
+    output.mkdir(parents=True, exist_ok=True)
+    result = Run(plan, model, work, started).execute()
+    write_logs(work, output)
+    return suite.write_result("cuda_retrieval", output / name, result, render, echo=False)  # the script prints it
+
+
+def _pct(right: int, cases: int) -> str:
+    return f"{right} ({right / cases:.0%})" if cases else "–"
+
+
+def render(result: dict) -> str:
+    plan, comparison, notes = result["plan"], result["comparison"], notes_on(result)
+    counts = not notes
+    declared = result["declared_pairs"]
+    ruler = result["cases"]["ruler"]
+    lines = [
+        f"Retrieval after the same training ({plan['steps']} steps of `diff-llama adapt`, the same examples): "
+        f"SmolLM2-135M-Instruct (the source) against its DIFF V2 conversion, on the same cases ({plan['device']}, "
+        f"{plan['dtype']} weights, greedy). Declared before the run: {result['declaration']}. Exact McNemar test, "
+        f"two-sided, α = {ALPHA}.", "",
+        "| cases | pairs / declared | source right | DIFF V2 right | only source | only DIFF V2 | p | reading |",
+        "|---|---|---|---|---|---|---|---|"]
+    for generator in (*GENERATORS, "pooled"):
+        test = comparison[generator]
+        label = GENERATORS.get(generator, "pooled")
+        wanted = sum(declared.values()) if generator == "pooled" else declared[generator]
+        lines.append(f"| {label} | {test['cases']} / {wanted} | {_pct(test['source_right'], test['cases'])} | "
+                     f"{_pct(test['v2_right'], test['cases'])} | {test['only_first']} | {test['only_second']} | "
+                     f"{test['p_value']:.3g} | {reading(test, counts)} |")
+    lines += ["", "| cell | pairs | source | DIFF V2 |", "|---|---|---|---|"]
+    for cell, (pairs, first, second) in sorted(result["accuracy_by_cell"].items()):
+        lines.append(f"| {cell} | {pairs} | {first / pairs:.0%} | {second / pairs:.0%} |")
+    lines += ["", "| model | steps | training seconds | probe accuracy | probe perplexity |", "|---|---|---|---|---|"]
+    for name in MODELS:
+        history = result["training"].get(name)
+        if history is None:
+            lines.append(f"| {LABELS[name]} | – | – | – | – |")
+            continue
+        first, last = history["probes"][0], history["probes"][-1]
+        lines.append(f"| {LABELS[name]} | {len(history['steps'])} | {60 * history['train_minutes']:.0f} | "
+                     f"{first['accuracy']:.0%} → {last['accuracy']:.0%} | {first['perplexity']:.2f} → "
+                     f"{last['perplexity']:.2f} |")
+    own = result["cases"]["own"]
+    lines += ["", f"Own cases: {own['count']} (settings {', '.join(own['settings'])} at "
+              f"{', '.join(map(str, own['lengths']))} tokens, {own['cases_per_depth']} per depth, seed {own['seed']}). "
+              f"RULER cases: {ruler['count']} of {ruler['file']} ({ruler['generator']}, seed {ruler['seed']}, sized "
+              f"with {ruler['tokenizer']}'s tokenizer).",
+              f"Scored: {result['scored']['source']} and {result['scored']['v2']} cases; median seconds a case: "
+              + ", ".join(f"{LABELS[m]} {s:.2f}" if s is not None else f"{LABELS[m]} –"
+                          for m, s in result["median_case_seconds"].items())
+              + f"; run {result['seconds']:.0f} s of {plan['max_seconds'] or '∞'} s.", ""]
+    if notes:
+        lines += ["Not the declared test:", *[f"- {note}" for note in notes]]
+    else:
+        lines.append("The run is complete as declared: the readings above are the declared test's.")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2", help="the source LLaMA (a .gguf file, a folder, smollm2)")
+    parser.add_argument("--output", help="folder for NAME.json, NAME.md and logs.txt")
+    parser.add_argument("--work", help="folder for the models and the workers' files (large; not brought back)")
+    parser.add_argument("--name", default="cuda-retrieval")
+    parser.add_argument("--max-seconds", type=float, default=None, help="the whole run's time budget")
+    parser.add_argument("--workers", type=int, default=None, help="scoring processes per model (default: 7)")
+    parser.add_argument("--dry-run", action="store_true", help="the same steps with a tiny budget, on the CPU too")
+    parser.add_argument("--score", metavar="SPEC", help=argparse.SUPPRESS)  # a worker (started by the run)
+    args = parser.parse_args()
+    if args.score:
+        sys.exit(score_share(args.score))
+    if not args.output or not args.work:
+        parser.error("--output and --work are needed")
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model  # children run elsewhere
+    changes = {"max_seconds": args.max_seconds}
+    if args.workers:
+        changes["workers"] = args.workers
+    plan = Plan.for_dry_run(device, **changes) if args.dry_run else Plan(device=device, **changes)
+    if device == "cpu" and not args.dry_run:
+        print("cuda_retrieval: no CUDA device; a full run on a CPU takes hours: pass --dry-run", file=sys.stderr)
+        sys.exit(2)
+    run(plan, model, Path(args.output).resolve(), Path(args.work).resolve(), args.name)
+
+
+if __name__ == "__main__":
+    main()
