@@ -179,3 +179,33 @@ def test_ruler_on_smollm2_and_its_exact_conversion(tmp_path):
     assert [c["correct"] for c in source["cases"]] == [c["correct"] for c in diff["cases"]]
     assert source["summary"]["accuracy_by_cell"]["niah_single_1/2048"] > 0
     assert "| SmolLM2-135M-Instruct | diff | all | all | " in (out / "ruler.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_documented_lm_eval_command_runs_on_a_converted_model(tmp_path, chatml_tokenizer):
+    """docs/adaptation.md's `lm_eval` line for a converted model, as a reader runs it (a tiny DIFF V2 with a real
+    tokenizer in its place, one case a task and length instead of 20): lm-eval loads it as remote code and scores it."""
+    import os
+    import re
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    docs = (Path(__file__).parents[1] / "docs" / "adaptation.md").read_text(encoding="utf-8")
+    line = next(line for line in docs.splitlines()
+                if line.startswith("lm_eval ") and "pretrained=outputs/SmolLM2-135M-Instruct-diff," in line)
+    model = tiny_model(vocab_size=len(chatml_tokenizer), diff_version=2, max_position_embeddings=8192)
+    folder = tmp_path / "outputs" / "SmolLM2-135M-Instruct-diff"
+    model.save_pretrained(folder)
+    chatml_tokenizer.save_pretrained(folder)
+    arguments = shlex.split(re.sub(r"--limit \d+", "--limit 1", line))[1:]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run([sys.executable, "-m", "lm_eval", *arguments], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=1200)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    tasks = re.findall(r"--tasks (\S+)", line)[0].split(",")
+    for task in tasks:  # lm-eval's results table has a row per task it scored
+        assert re.search(rf"^\|\s*{task}\s*\|", done.stdout, flags=re.MULTILINE), output[-3000:]
