@@ -490,19 +490,11 @@ def main():
               "vllm_flags": "--enforce-eager, --max-num-seqs 16, VLLM_CPU_KVCACHE_SPACE=2, ignore_eos",
               "transformers_serve": "diff-llama serve --dtype float32 (no continuous batching), max_tokens only",
               "models": {name: str(path) for name, path in models.items()},
-              "vllm_version": _version("vllm") or _version("vllm-cpu"), "openai_version": _version("openai")}
+              "vllm_version": suite.package_version("vllm") or suite.package_version("vllm-cpu"),
+              "openai_version": suite.package_version("openai")}
     suite.write_result("serving_throughput", args.output,
                        {"config": config, "summary": summary, "target": target, "runs": runs, "warnings": warnings},
                        render)
-
-
-def _version(package):
-    from importlib import metadata
-
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

@@ -91,16 +91,19 @@ def machine(cpuinfo: str | None = None) -> dict:
     }
 
 
-def versions() -> dict:
+def package_version(package: str) -> str | None:
+    """The installed version of `package`, or None where it is not installed."""
     from importlib import metadata
 
-    found = {"python": platform.python_version()}
-    for package in ("torch", "transformers", "diff-llama"):
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = None
-    return found
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict:
+    return {"python": platform.python_version(),
+            **{package: package_version(package) for package in ("torch", "transformers", "diff-llama")}}
 
 
 def git_commit() -> str | None:

