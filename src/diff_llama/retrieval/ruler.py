@@ -24,7 +24,7 @@ from ..options import RulerOptions
 from .evaluate import _run_description, display_name, interrupted_run
 from .ruler_cases import build_ruler_cases, case_file_contents, read_case_file, ruler_prompt, write_case_file
 from .scoring import greedy_answer
-from .statistics import paired_comparison
+from .statistics import _mean, paired_comparison
 
 _UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 VALUE_PATTERNS = {"numbers": re.compile(r"\d+"), "uuids": re.compile(_UUID, re.IGNORECASE)}
@@ -64,11 +64,6 @@ def run_ruler_case(model, tokenizer, case: dict, max_new_tokens: int = 128, chat
     return {"id": case["id"], "task": case["task"], "length": case["length"], "prompt_tokens": len(input_ids),
             "expected": case["outputs"], "output": text, "found": found, "correct": all(found),
             "seconds": round(time.perf_counter() - started, 3)}
-
-
-def _mean(values) -> float | None:
-    values = list(values)
-    return sum(values) / len(values) if values else None
 
 
 def summarize_ruler(results: list[dict]) -> dict:
