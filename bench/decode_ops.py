@@ -11,7 +11,12 @@ whole fused SDPA call on the same cache: the score product (bmm, the kernel's ch
 multiply-and-sum), the softmax, and the value product (bmm on the maps stacked for both value halves, the kernel's
 choice; a broadcasting 4-D matmul that stacks them implicitly; two bmm, one per value half).
 
-Usage: python -m bench decode_ops [--batch 1] [--dtype float32] [--timing] [--products] [--write]
+With --fold-probe, the best alternatives to DIFF V2's forward, counted the same way on the same weights (each checked
+to give the shipped model's logits): λ's rows folded into q_proj's product (one matrix product for the queries and λ,
+weights concatenated once), and that fold with nothing kept for vLLM (no cast back, views for reshapes): how far the
+issue's fold would take V2's extra ops per layer.
+
+Usage: python -m bench decode_ops [--batch 1] [--dtype float32] [--timing] [--products] [--fold-probe] [--write]
 Writes bench/results/decode_ops.{json,md} with --write.
 """
 
@@ -38,6 +43,67 @@ def step_ops(model, batch):
         with torch.profiler.profile() as profile:
             model(token, cache=cache, use_cache=True)
     return collections.Counter(event.name for event in profile.events() if event.name.startswith("aten::"))
+
+
+class FoldedQueryLambdaForward:
+    """DIFF V2's attention forward with λ's rows inside q_proj's product (weights concatenated once, at set-up): the
+    fold issue 40 suggests. `lean` also drops what vLLM's Transformers backend needs (the unconditional cast back, the
+    reshape from the input's shape) and uses views where the shipped forward reshapes. A probe, not a forward to ship:
+    the fused weight is a copy (a LoRA adapter or an update on q_proj or lambda_proj would not reach it), and in
+    bf16/fp16 λ's logits would come out of the model-dtype product, not float32."""
+
+    def __init__(self, attention, lean: bool):
+        self.attention, self.lean = attention, lean
+        self.weight = torch.cat([attention.q_proj.weight, attention.differential_lambda.lambda_proj.weight]).detach()
+        self.query_width = attention.q_proj.out_features
+
+    def __call__(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        attention, batch_and_tokens = self.attention, hidden_states.shape[:-1]
+        kwargs.pop("past_key_values", None)
+        projected = F.linear(hidden_states, self.weight)
+        query = projected[..., : self.query_width].view(*batch_and_tokens, -1, attention.head_dim).transpose(1, 2)
+        lambdas = torch.sigmoid(projected[..., self.query_width :])
+        key = attention.k_proj(hidden_states).view(*batch_and_tokens, -1, attention.head_dim).transpose(1, 2)
+        value = attention.v_proj(hidden_states).view(*batch_and_tokens, -1, attention.head_dim).transpose(1, 2)
+        query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
+        key, value = cache.update(key, value, attention.layer_idx, kwargs=kwargs)
+        attend = ALL_ATTENTION_FUNCTIONS[attention.config._attn_implementation]
+        output, weights = attend(attention, query, key, value, attention_mask, dropout=0.0,
+                                 scaling=attention.scaling, **kwargs)
+        if self.lean:  # the interface's output is contiguous (batch, tokens, H, d)
+            heads = output
+        else:
+            heads = output.reshape(*batch_and_tokens, -1, attention.head_dim)
+        differential = torch.addcmul(heads[..., 0::2, :], lambdas.view(*lambdas.shape, 1), heads[..., 1::2, :],
+                                     value=-1)
+        if self.lean:
+            return attention.o_proj(differential.view(*batch_and_tokens, -1)), weights
+        differential = differential.to(hidden_states.dtype).reshape(*batch_and_tokens, -1)
+        return attention.o_proj(differential), weights
+
+
+def fold_probe(batch, dtype) -> dict:
+    """Per-layer aten ops above Llama's of DIFF V2 as shipped and with each probe forward, and each probe's largest
+    logit difference from the shipped model's on the same decoding step."""
+    llama = sum(step_ops(build("llama", dtype), batch).values())
+    model = build("diff-llama v2", dtype)
+    ids = torch.randint(0, model.config.vocab_size, (batch, 129), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        shipped_logits = model(ids).logits[:, -1]
+    rows = {"diff-llama v2 (shipped)": {"ops": sum(step_ops(model, batch).values()), "logit_difference": 0.0}}
+    for name, lean in (("λ folded into q_proj", False), ("λ folded, nothing for vLLM, views", True)):
+        for layer in model.model.layers:
+            layer.self_attn.forward = FoldedQueryLambdaForward(layer.self_attn, lean)
+        with torch.no_grad():
+            difference = (model(ids).logits[:, -1] - shipped_logits).abs().max().item()
+        rows[name] = {"ops": sum(step_ops(model, batch).values()), "logit_difference": difference}
+    layers = SHAPE["num_hidden_layers"]
+    for row in rows.values():
+        row["per_layer_over_llama"] = (row["ops"] - llama) / layers
+    return {"llama_ops": llama, "rows": rows}
 
 
 def _microseconds(fn, number=200, repeat=9):
@@ -142,6 +208,8 @@ def main():
     parser.add_argument("--timing", action="store_true", help="time one layer's attention and its parts")
     parser.add_argument("--products", action="store_true",
                         help="time the one-token kernel's parts in every formulation against Llama's SDPA call")
+    parser.add_argument("--fold-probe", action="store_true",
+                        help="count DIFF V2 with λ folded into q_proj's product, and that fold at its leanest")
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--output", default="decode_ops", help="with --write: results name or path (no suffix)")
     args = parser.parse_args()
@@ -154,6 +222,8 @@ def main():
         result["attention_microseconds"] = attention_timing(args.batch, dtype)
     if args.products:
         result["products"] = product_timing(args.batch, dtype)
+    if args.fold_probe:
+        result["fold_probe"] = fold_probe(args.batch, dtype)
     if args.write:
         suite.write_result("decode_ops", args.output, result, render)
     else:
@@ -184,6 +254,12 @@ def render(result: dict) -> str:
                   f"tokens, {p['heads']} query heads over {p['kv_heads']} key/value heads, µs (`--products`; each "
                   "called alone, best of 9 x 500):", "", "| what | µs |", "|---|---|"]
         lines += [f"| {name} | {value:.1f} |" for name, value in p["microseconds"].items()]
+    if "fold_probe" in result:
+        lines += ["", f"DIFF V2 and its best alternatives (`--fold-probe`), batch {batch}: aten ops per layer above "
+                  "Llama's, and each forward's largest logit difference from the shipped one:", "",
+                  "| forward | ops per layer over Llama | logits differ by |", "|---|---|---|"]
+        lines += [f"| {name} | {row['per_layer_over_llama']:+.1f} | {row['logit_difference']:.1e} |"
+                  for name, row in result["fold_probe"]["rows"].items()]
     return "\n".join(lines)
 
 

@@ -13,3 +13,28 @@ def test_round_ratio_range_pairs_the_rounds():
     assert round_ratio_range(samples, "prefill (ms)", "a", "b") == (0.8, 2.0)
     assert round_ratio_range({"one round": {"a": [1.0], "b": [2.0]}}, "one round", "a", "b") is None
     assert round_ratio_range(samples, "not measured", "a", "b") is None
+
+
+def test_the_fold_probe_computes_diff_v2_and_counts_fewer_ops():
+    """decode_ops --fold-probe backs the claim that V2's op ceiling stays above issue 40's 6: its forwards must compute
+    the shipped model's logits, or the count would be of something else."""
+    import torch
+
+    from decode_ops import FoldedQueryLambdaForward, step_ops
+    from diff_llama import DiffLlamaConfig, DiffLlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = DiffLlamaForCausalLM(DiffLlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=1, head_dim=8, diff_version=2)).eval()
+    for layer in model.model.layers:  # λ away from its initial 0.5, different per head and token
+        torch.nn.init.normal_(layer.self_attn.differential_lambda.lambda_proj.weight, std=0.5)
+    ids = torch.randint(0, 64, (2, 140), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        shipped_logits, shipped_ops = model(ids).logits, sum(step_ops(model, 1).values())
+    for lean in (False, True):
+        for layer in model.model.layers:
+            layer.self_attn.forward = FoldedQueryLambdaForward(layer.self_attn, lean)
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, shipped_logits, rtol=1e-5, atol=1e-5)
+        assert sum(step_ops(model, 1).values()) < shipped_ops
