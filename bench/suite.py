@@ -40,6 +40,8 @@ BENCHMARKS = {
     "model_benchmark": "CPU speed and memory of both versions against the built-in DiffLlama and Llama, interleaved",
     "precision": "float32 against bfloat16 prefill and training on this CPU: what --dtype auto decides",
     "recovery": "held-out perplexity and mean |λ| against CPU minutes of `diff-llama recover`",
+    "saved_for_backward": "bytes autograd keeps for backward in a training forward at Llama-3.2-1B's width, "
+                          "storage by storage: Llama against each version 1 training kernel and DIFF V2 (issue 40 §4)",
     "serve_load": "diff-llama serve under 32 concurrent streams, clients that leave mid-stream and bad requests: "
                   "throughput, latency percentiles, errors by kind, server memory (issue 42)",
     "serving_throughput": "output tokens/s of 16 concurrent chat requests to vLLM and transformers servers, SmolLM2 "

@@ -195,3 +195,20 @@ def folder_checksum(folder: Path) -> str:
             digest.update(file.read_bytes())
             digest.update(str(file.stat().st_mtime_ns).encode())
     return digest.hexdigest()
+
+
+def bytes_saved_for_backward(model) -> int:
+    """Bytes of every storage autograd keeps for backward in one training forward, parameters left out."""
+    parameters = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model.train().model(ids)
+    return sum(saved.values())

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import differential_model, random_batch, tiny_config
+from conftest import bytes_saved_for_backward, differential_model, random_batch, tiny_config
 from diff_llama import DiffLlamaConfig, DiffLlamaForCausalLM
 
 
@@ -59,3 +59,33 @@ def test_auto_classes_and_save_load_round_trip(tmp_path):
     input_ids = random_batch()[0]
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids).logits, model(input_ids).logits, rtol=0, atol=0)
+
+
+def test_bf16_lambda_projection_keeps_its_bf16_rows_for_backward():
+    """In half-precision training λ's float32 product keeps its input rows as they are (q/k/v_proj keep them anyway),
+    not a float32 copy, and its gradients are the float64 ones rounded."""
+    from diff_llama.lambda_diff_llama import Float32ProductOfHalfRows
+
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(12, 32, generator=generator).to(torch.bfloat16).requires_grad_()
+    weight = (0.3 * torch.randn(3, 32, generator=generator)).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(12, 3, generator=generator)
+    products = Float32ProductOfHalfRows.apply(rows, weight)
+    assert products.dtype == torch.float32
+    torch.testing.assert_close(products.double(), rows.double() @ weight.double().t(), rtol=1e-6, atol=1e-6)
+    assert [saved.dtype for saved in products.grad_fn.saved_tensors] == [torch.bfloat16, torch.bfloat16]
+    products.backward(grad)
+    torch.testing.assert_close(rows.grad, (grad.double() @ weight.double()).to(torch.bfloat16), rtol=8e-3, atol=1e-3)
+    torch.testing.assert_close(weight.grad, (grad.double().t() @ rows.double()).to(torch.bfloat16), rtol=8e-3,
+                               atol=1e-3)
+
+
+def test_bf16_training_keeps_about_what_a_llama_with_its_query_heads_keeps():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = dict(vocab_size=256, hidden_size=256, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=16,
+                 num_key_value_heads=2, head_dim=32)
+    torch.manual_seed(0)
+    llama = bytes_saved_for_backward(LlamaForCausalLM(LlamaConfig(**shape)).to(torch.bfloat16))
+    model = DiffLlamaForCausalLM(tiny_config(**shape, diff_version=2)).to(torch.bfloat16)
+    assert bytes_saved_for_backward(model) <= 1.05 * llama  # 1.03x; 1.10x with a float32 copy of λ's input

@@ -380,9 +380,15 @@ def generic_differential_attention(module, query, key, value, attention_mask, la
         second_output, _ = call(query=query, key=key, value=torch.cat([second_values] * 2, dim=1), **kwargs)
         attn_output = torch.cat([first_output, second_output], dim=-1)
     map1_output, map2_output = attn_output.chunk(2, dim=2)  # (batch, q, H, 2d): maps i and i + H/2
-    differential = torch.addcmul(map1_output.to(lambda_full.dtype), map2_output.to(lambda_full.dtype), lambda_full,
-                                 value=-1)
-    return differential, attn_weights
+    return _pair_difference(map1_output, map2_output, lambda_full), attn_weights
+
+
+def _pair_difference(map1_output, map2_output, lambda_full):
+    """A1·V − λ·A2·V in λ's dtype (float32 or wider). λ as a one-element tensor, so that the product promotes to its
+    dtype: autograd then keeps A2·V for λ's gradient as it is, a view of the attention output in the model's dtype,
+    which the attention kernel keeps anyway, instead of a float32 copy (in bf16, 2 bytes per element of every layer's
+    2d-wide output for backward)."""
+    return map1_output.to(lambda_full.dtype) - map2_output * lambda_full.view(1)
 
 
 def decode_differential_attention(module, query, key, value, attention_mask, lambda_full, **kwargs):
@@ -391,10 +397,7 @@ def decode_differential_attention(module, query, key, value, attention_mask, lam
 
 def paired_sdpa_cpu_differential_attention(module, query, key, value, attention_mask, lambda_full, **kwargs):
     attn_output = CausalPairedAttentionCPU.apply(query, key, value, module.scaling).transpose(1, 2)
-    map1_output, map2_output = attn_output.chunk(2, dim=2)
-    differential = torch.addcmul(map1_output.to(lambda_full.dtype), map2_output.to(lambda_full.dtype), lambda_full,
-                                 value=-1)
-    return differential, None
+    return _pair_difference(*attn_output.chunk(2, dim=2), lambda_full), None
 
 
 # Query rows per block of the blocked kernel. Larger blocks mean fewer per-block ops, each of which waits for every

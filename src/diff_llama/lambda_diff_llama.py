@@ -76,18 +76,41 @@ class DiffLlamaLambda(nn.Module):
         return torch.exp(dot1) - torch.exp(dot2) + self.lambda_init
 
 
+class Float32ProductOfHalfRows(torch.autograd.Function):
+    """rows · weightᵀ in float32 or wider for half-precision rows, keeping for backward the rows as they are: the
+    attention's other projections keep them anyway, where the product's float32 copy would be twice their bytes."""
+
+    @staticmethod
+    def forward(ctx, rows, weight):
+        dtype = _float32_or_wider(rows.dtype)
+        ctx.save_for_backward(rows, weight)
+        return torch.mm(rows.to(dtype), weight.to(dtype).t())
+
+    @staticmethod
+    def backward(ctx, grad_products):
+        rows, weight = ctx.saved_tensors
+        grad_rows = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_rows = torch.mm(grad_products, weight.to(grad_products.dtype)).to(rows.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.mm(grad_products.t(), rows.to(grad_products.dtype)).to(weight.dtype)
+        return grad_rows, grad_weight
+
+
 class DiffLlamaFloat32Linear(nn.Linear):
     """nn.Linear computed in float32 or wider, whatever the dtype of its weight and input."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         dtype = _float32_or_wider(hidden_states.dtype)
-        weight = self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
-        if hidden_states.dtype != dtype:  # a no-op cast is still an aten op, and a decoding step pays for every op
-            hidden_states = hidden_states.to(dtype)
         if self.bias is not None:
-            return nn.functional.linear(hidden_states, weight, self.bias.to(dtype))
+            return nn.functional.linear(hidden_states.to(dtype), self.weight.to(dtype), self.bias.to(dtype))
         # Rows as one matrix product: nn.Linear on a 3-D input adds reshapes and views around the same product.
-        products = torch.mm(hidden_states.reshape(-1, hidden_states.shape[-1]), weight.t())
+        rows = hidden_states.reshape(-1, hidden_states.shape[-1])
+        if hidden_states.dtype != dtype and torch.is_grad_enabled():
+            products = Float32ProductOfHalfRows.apply(rows, self.weight)
+        else:  # no autograd.Function where nothing is kept for backward: a decoding step pays for every op
+            weight = self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
+            products = torch.mm(rows if rows.dtype == dtype else rows.to(dtype), weight.t())
         return products.view(*hidden_states.shape[:-1], -1)
 
 

@@ -1,0 +1,93 @@
+"""Bytes that autograd keeps for backward in one training forward, storage by storage, parameters left out: Llama
+against version 1 (each training kernel forced) and DIFF V2, at Llama-3.2-1B's width (hidden 2048, 32 query heads
+over 8 key/value heads of 64; DIFF V2 with 64 query heads, as its conversion), one layer by default. What a training
+step's peak memory grows with, counted exactly and without a GPU: the tensors saved are the same on every device
+for the same kernel (on CUDA, version 1 trains on `generic`; `paired_sdpa_cpu` runs on the CPU only).
+
+Usage: python -m bench saved_for_backward [--dtype bfloat16] [--tokens 512] [--layers 1] [--device cpu] [--write]
+Writes bench/results/saved_for_backward.{json,md} with --write.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import suite  # noqa: E402
+
+WIDTH = dict(vocab_size=1024, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+             num_key_value_heads=8, head_dim=64)
+MODELS = ("llama", "version 1, generic", "version 1, paired_sdpa_cpu", "version 1, blocked", "diff v2")
+
+
+def build(name: str, layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from diff_llama import DiffLlamaConfig, DiffLlamaForCausalLM
+
+    torch.manual_seed(0)
+    shape = {**WIDTH, "num_hidden_layers": layers}
+    if name == "llama":
+        return LlamaForCausalLM(LlamaConfig(**shape))
+    if name == "diff v2":
+        return DiffLlamaForCausalLM(DiffLlamaConfig(**{**shape, "num_attention_heads": 64}, diff_version=2))
+    return DiffLlamaForCausalLM(DiffLlamaConfig(**shape, diff_version=1, differential_kernel=name.split(", ")[1]))
+
+
+def saved_storages(model, tokens: int, device: str) -> list[dict]:
+    """Every storage kept for backward by the decoder (not the LM head), once, with the first tensor saved from it."""
+    parameters = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters and storage.data_ptr() not in saved:
+            saved[storage.data_ptr()] = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
+                                         "bytes": storage.nbytes()}
+        return tensor
+
+    ids = torch.randint(0, WIDTH["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model.train().model(ids)
+    return list(saved.values())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--write", action="store_true")
+    parser.add_argument("--output", default="saved_for_backward", help="with --write: results name or path")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    models = [name for name in MODELS if args.device == "cpu" or "cpu" not in name]
+    result = {"dtype": args.dtype, "tokens": args.tokens, "layers": args.layers, "device": args.device,
+              "models": {name: saved_storages(build(name, args.layers).to(args.device, dtype), args.tokens,
+                                              args.device) for name in models}}
+    if args.write:
+        suite.write_result("saved_for_backward", args.output, result, render)
+    else:
+        print(render(result))
+
+
+def render(result: dict) -> str:
+    models = result["models"]
+    llama = sum(entry["bytes"] for entry in models["llama"])
+    lines = [f"Bytes kept for backward by {result['layers']} decoder layer(s) at Llama-3.2-1B's width, one sequence of "
+             f"{result['tokens']} tokens, {result['dtype']}, {result['device']} (parameters left out):", "",
+             "| model | MiB | against Llama |", "|---|---|---|"]
+    for name, entries in models.items():
+        total = sum(entry["bytes"] for entry in entries)
+        lines.append(f"| {name} | {total / 2**20:.2f} | {total / llama:.3f}x |")
+    for name, entries in models.items():
+        lines += ["", f"{name}, storage by storage (shape of the first tensor saved from it, dtype, MiB): " + "; ".join(
+            f"{tuple(entry['shape'])} {entry['dtype']} {entry['bytes'] / 2**20:.2f}" for entry in entries)]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
