@@ -50,13 +50,14 @@ def test_the_dry_run_measures_every_figure_of_every_model_and_ends_with_the_tabl
     assert "skipped" in summary and "benchmark exit 0" in summary and str(out) in summary
     rows = table_rows(summary)
     assert set(rows) == {*EAGER_ROWS, *GRAPH_ROWS, "train peak memory (GiB)"}
-    # Columns: llama, llama 2x heads, diff-llama v2, diff-llama, then the three ratios to llama.
+    # Columns: llama, llama 2x heads, diff-llama v2, diff-llama, diff-llama paired, then the four ratios to llama.
     for row in (*EAGER_ROWS, *GRAPH_ROWS):
-        measured = [0, 2, 3] if row in GRAPH_ROWS else [0, 1, 2, 3]  # CUDA graphs: not the 2x heads probe
-        assert [index for index, cell in enumerate(rows[row][:4]) if cell.endswith("n=2)")] == measured, row
+        # CUDA graphs: not the 2x heads probe; the paired training kernel: the train step only.
+        measured = [0, 2, 3] if row in GRAPH_ROWS else [0, 1, 2, 3] + [4] * (row == "train step (ms)")
+        assert [index for index, cell in enumerate(rows[row][:5]) if cell.endswith("n=2)")] == measured, row
         assert all(cell.endswith("x") or cell.endswith("unreadable") for cell in
-                   (rows[row][4 + index - 1] for index in measured if index)), row
-    assert rows["train peak memory (GiB)"][:4] == ["–"] * 4  # no allocator statistics on the CPU
+                   (rows[row][5 + index - 1] for index in measured if index)), row
+    assert rows["train peak memory (GiB)"][:5] == ["–"] * 5  # no allocator statistics on the CPU
     assert "Targets (issue 40):" in summary
     assert {path.name for path in out.iterdir()} >= {"cuda-device.txt", "cuda-tests.log", "cuda-bench.log",
                                                      "cuda.json", "cuda.md"}
@@ -101,7 +102,8 @@ def test_the_budget_leaves_out_what_would_not_fit_and_writes_what_was_measured(t
     plan = cuda_benchmark.Plan.dry_run("cpu", figures=("eager", "graphs"), batches=(1,), max_seconds=300, **too_long)
     cuda_benchmark.run(plan, tmp_path, "budget")
     figures = json.loads((tmp_path / "budget.json").read_text())["shapes"]["tiny"]["figures"]
-    assert set(figures["eager b1"]["samples"]) == set(cuda_benchmark.MODELS)
+    beyond_training = set(cuda_benchmark.MODELS) - set(cuda_benchmark.TRAIN_ONLY_MODELS)
+    assert set(figures["eager b1"]["samples"]) == beyond_training
     assert figures["graphs b1"]["samples"] == {} and figures["graphs b1"]["left_out"] == list(plan.graph_models)
     table = (tmp_path / "budget.md").read_text()
     assert "| tiny | decode b1 eager (tokens/s) |" in table and "graphs (tokens/s)" not in table
@@ -109,7 +111,7 @@ def test_the_budget_leaves_out_what_would_not_fit_and_writes_what_was_measured(t
     # No time at all: nothing starts, and the file still says what was left out.
     cuda_benchmark.run(cuda_benchmark.Plan.dry_run("cpu", figures=("prefill",), max_seconds=0), tmp_path, "none")
     record = json.loads((tmp_path / "none.json").read_text())["shapes"]["tiny"]["figures"]["prefill"]
-    assert record["samples"] == {} and record["left_out"] == list(cuda_benchmark.MODELS)
+    assert record["samples"] == {} and set(record["left_out"]) == beyond_training
 
 
 def made_up_results(figures: dict) -> dict:
@@ -134,20 +136,24 @@ def test_a_ratio_inside_either_sides_spread_is_unreadable_and_the_targets_say_so
                      "diff-llama v2": column([90, 91, 92], eager), "diff-llama": column([99, 120, 100], eager)},
         "graphs b1": {"llama": column([200, 200, 200], graphs), "diff-llama v2": column([195, 196, 196], graphs),
                       "diff-llama": column([150], graphs)},
-        "train": {"llama": column([5.0, 5.0], memory), "diff-llama": column([6.0, 6.0], memory)},
+        "train": {"llama": column([5.0, 5.0], memory), "diff-llama": column([6.0, 6.0], memory),
+                  "diff-llama paired": column([5.5, 5.5], memory)},
     })
     results["shapes"]["llama-3.2-1b"]["figures"]["graphs b1"]["errors"] = {"llama 2x heads": "RuntimeError: boom"}
     suite.write_result("cuda_benchmark", tmp_path / "t", results, cuda_benchmark.render, echo=False)
     table = (tmp_path / "t.md").read_text()
     rows = table_rows(table, "llama-3.2-1b")
     # 91/101 = 0.90x outside both spreads (1.02); 100/101 = 0.99x inside v1's 120/99; 95/101 inside nobody's.
-    assert rows[eager][4:] == ["0.95x", "0.90x", "0.99x unreadable"]
+    assert rows[eager][5:] == ["0.95x", "0.90x", "0.99x unreadable", "–"]
     assert rows[eager][0] == "101 (1.02, n=3)"
-    assert rows[graphs] == ["200 (1.00, n=3)", "error", "196 (1.01, n=3)", "150 (1.00, n=1)", "–", "0.98x",
-                            "0.75x unreadable"]  # n = 1: no spread, so no reading
-    assert rows[memory][6:] == ["1.20x"]
+    assert rows[graphs] == ["200 (1.00, n=3)", "error", "196 (1.01, n=3)", "150 (1.00, n=1)", "–", "–", "0.98x",
+                            "0.75x unreadable", "–"]  # n = 1: no spread, so no reading
+    assert rows[memory][7:] == ["1.20x", "1.10x"]
     assert "- llama-3.2-1b, decode b1 graphs (tokens/s): DIFF V2 0.98x of llama, target ≥ 0.95x: met" in table
     assert ("- llama-3.2-1b, decode b1 eager (tokens/s): DIFF V2 0.90x of llama, target ≥ llama 2x heads' 0.95x: "
             "not met") in table
-    assert "- llama-3.2-1b, train peak memory (GiB): version 1 1.20x of llama, target ≤ 1.15x: not met" in table
+    assert ("- llama-3.2-1b, train peak memory (GiB): version 1 (diff-llama) 1.20x of llama, target ≤ 1.15x: not met"
+            in table)
+    assert ("- llama-3.2-1b, train peak memory (GiB): version 1 (diff-llama paired) 1.10x of llama, target ≤ 1.15x: "
+            "met") in table
     assert "llama-3.2-1b, graphs b1, llama 2x heads: error RuntimeError: boom" in table

@@ -1,7 +1,7 @@
 """The CUDA paths, against the float64 reference on the CPU. Skipped where no CUDA device is present (CI, the 2-core
 machines); run on a lent GPU with `pytest tests/test_cuda.py`.
 
-Version 1 with every kernel that runs on CUDA (generic, blocked, decode) and DIFF V2, on the eager, SDPA and
+Version 1 with every kernel that runs on CUDA (generic, blocked, decode, paired_sdpa_cuda) and DIFF V2, on the eager, SDPA and
 FlexAttention backends (flash-attention 2 too where `flash_attn` is installed), for odd G, G = 1 and even G, with left
 padding, a cache, gradients and bf16. The models are built and randomised in float64 on the CPU, where the reference
 runs, then copied to the GPU: the GPU sees exactly the weights the reference saw.
@@ -185,6 +185,28 @@ def test_generation_logits_equal_a_full_forward_of_the_output(version, cache):
     with torch.no_grad():
         full = model(out.sequences, attention_mask=full_mask).logits[:, 6:-1]
     torch.testing.assert_close(torch.stack(out.logits, dim=1), full, rtol=0, atol=FP32_ATOL)
+
+
+@pytest.mark.parametrize("heads,kv_heads", V1_LAYOUTS)
+def test_paired_cuda_kernel_trains_as_close_to_float64_as_the_generic_path(heads, kv_heads):
+    """paired_sdpa_cuda (FlashAttention's private ops, keeping only d-wide tensors for backward) really runs, and its
+    bf16 loss and gradients are as close to float64 as the generic path's (no padding: the kernel's case)."""
+    model = float64_model(1, heads, kv_heads)
+    input_ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.ones_like(input_ids)
+    expected = gradients(model, input_ids, attention_mask, input_ids)
+
+    def error(actual):
+        return torch.cat([((actual[name] - want) / (want.abs().max() + 1e-12)).flatten()
+                          for name, want in expected.items()]).norm().item()
+
+    generic = error(gradients(on_cuda(model, torch.bfloat16, "sdpa", "generic"), input_ids, attention_mask, input_ids))
+    function = modeling.CausalPairedAttentionCUDA
+    with mock.patch.object(function, "apply", wraps=function.apply) as spy:
+        paired = error(gradients(on_cuda(model, torch.bfloat16, "sdpa", "paired_sdpa_cuda"), input_ids,
+                                 attention_mask, input_ids))
+    assert spy.call_count == 3  # once per layer
+    assert paired <= 1.5 * generic, (paired, generic)
 
 
 def test_dispatch_on_cuda_takes_the_generic_path_except_for_decoding():

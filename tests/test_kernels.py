@@ -122,6 +122,70 @@ def test_blocked_kernel_matches_reference_forward_and_gradients(heads, kv_heads,
         torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=name)
 
 
+@contextlib.contextmanager
+def cuda_flash_ops_on_the_cpu():
+    """PyTorch's CUDA FlashAttention entry points (`_scaled_dot_product_flash_attention` and its backward), emulated
+    with its CPU flash ops: the same maths and (batch, heads, seq, d) layout, dummies for the extra outputs only the
+    CUDA op has. A stand-in for the unreachable GPU, so that `CausalPairedAttentionCUDA`'s own work (padding, the
+    head repeat, the gradients summed back) is checked here; tests/test_cuda.py runs the real op. Like FlashAttention
+    here, the stand-in takes as many key/value heads as query heads."""
+
+    def forward(query, key, value, dropout_p, is_causal, return_debug_mask, *, scale=None):
+        assert key.shape[1] == value.shape[1] == query.shape[1] and not return_debug_mask
+        output, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, scale=scale)
+        empty = query.new_empty(0)
+        return output, logsumexp, empty, empty, query.shape[2], key.shape[2], empty, empty, empty
+
+    def backward(grad_output, query, key, value, output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                 is_causal, philox_seed, philox_offset, *, scale=None):
+        assert key.shape[1] == query.shape[1] and (max_q, max_k) == (query.shape[2], key.shape[2])
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_output, query, key, value, output, logsumexp, dropout_p, is_causal, scale=scale)
+
+    with mock.patch.object(torch.ops.aten, "_scaled_dot_product_flash_attention", forward), \
+            mock.patch.object(torch.ops.aten, "_scaled_dot_product_flash_attention_backward", backward):
+        yield
+
+
+@pytest.mark.parametrize("heads,kv_heads", LAYOUTS)
+def test_paired_cuda_kernel_matches_reference_forward_and_gradients(heads, kv_heads):
+    """Issue 40 §4: version 1's CUDA training kernel keeps only d-wide tensors; its forward and the gradients of q, k,
+    v and λ are the float64 reference's (the flash op emulated on the CPU: `cuda_flash_ops_on_the_cpu`)."""
+    query, key, value, lam = kernel_inputs(heads, kv_heads, 13, 13)
+    allowed = torch.ones(13, 13, dtype=torch.bool).tril()[None].expand(2, -1, -1)
+    with cuda_flash_ops_on_the_cpu():
+        output, weights = ALL_DIFFERENTIAL_KERNELS["paired_sdpa_cuda"](mock.Mock(scaling=8**-0.5), query, key,
+                                                                      value, None, lam)
+        pairs = kernels.CausalPairedAttentionCUDA.apply(query, key, value, 8**-0.5)
+        expected = per_head_differential(query, key, value, lam, allowed)
+        assert weights is None
+        torch.testing.assert_close(output, expected, rtol=0, atol=1e-12)
+        weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        got = torch.autograd.grad((output * weights).sum(), (query, key, value, lam))
+    want = torch.autograd.grad((expected * weights).sum(), (query, key, value, lam))
+    for name, a, b in zip("qkvλ", got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=name)
+    # What backward keeps of q, k and v is the d-wide tensors themselves, not the 2d-wide padded copies.
+    assert [tensor.shape for tensor in pairs.grad_fn.saved_tensors[:3]] == [query.shape, key.shape, value.shape]
+
+
+def test_paired_cuda_kernel_is_chosen_only_where_flash_attention_runs():
+    model = tiny_model(torch.float64, num_attention_heads=6, num_key_value_heads=3)
+    attention = model.model.layers[0].self_attn
+    supports = ALL_DIFFERENTIAL_KERNELS["paired_sdpa_cuda"].supports
+    query = torch.randn(1, 6, 5, 8, dtype=torch.bfloat16, requires_grad=True)
+    key = torch.randn(1, 6, 5, 8, dtype=torch.bfloat16)
+    assert not supports(attention, query, key, None)  # on the CPU
+    on_cuda = mock.Mock(device=mock.Mock(type="cuda"), dtype=torch.bfloat16, shape=query.shape)
+    assert supports(attention, on_cuda, key, None)
+    assert not supports(attention, on_cuda, key, torch.ones(1, 1, 5, 5, dtype=torch.bool))  # padding: generic
+    assert not supports(attention, mock.Mock(device=on_cuda.device, dtype=torch.float32, shape=query.shape), key,
+                        None)
+    with mock.patch.object(kernels, "_has_cuda_flash_attention", lambda: False):
+        assert not supports(attention, on_cuda, key, None)
+
+
 def test_blocked_kernel_skips_future_columns_only_when_the_mask_hides_them():
     """A mask that lets a query see a later key must keep those columns (no causal shortcut on custom masks)."""
     query, key, value, lam = kernel_inputs(4, 2, 8, 8)

@@ -95,8 +95,9 @@ class DiffLlamaConfig(PreTrainedConfig):
             one ordinary attention call and the LLaMA's KV cache).
         differential_kernel (`str`, *optional*):
             Version 1: the differential attention kernel to use where it applies ("generic", "blocked", "decode",
-            "paired_sdpa_cpu", or one registered with `DifferentialAttentionInterface`); `None` (the default) picks
-            one per attention backend, device and step (`DIFFERENTIAL_KERNEL_DISPATCH` in `differential_kernels.py`).
+            "paired_sdpa_cpu", "paired_sdpa_cuda", or one registered with `DifferentialAttentionInterface`); `None`
+            (the default) picks one per attention backend, device and step (`DIFFERENTIAL_KERNEL_DISPATCH` in
+            `differential_kernels.py`).
             `model.set_differential_kernel(name)` sets it. Every kernel computes the same function.
         attention_dropout (`float`, defaults to 0.0):
             Must be 0: the paper defines no dropout for the differential map (see the error message).

@@ -170,6 +170,54 @@ class CausalPairedAttentionCPU(torch.autograd.Function):
         return grad_query[..., :head_dim], grad_key[..., :head_dim], grad_value, None
 
 
+def _has_cuda_flash_attention() -> bool:
+    """The private aten ops of `CausalPairedAttentionCUDA` (PyTorch's FlashAttention-2 entry points, present since
+    torch 2.2); checked before use, as the CPU ones."""
+    return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention") and hasattr(
+        torch.ops.aten, "_scaled_dot_product_flash_attention_backward"
+    )
+
+
+class CausalPairedAttentionCUDA(torch.autograd.Function):
+    """`CausalPairedAttentionCPU` on CUDA: FlashAttention on the padded layout, saving for backward only the d-wide
+    query, key and value (and the output and its row statistics), not their padded copies. The padded keys and values
+    are repeated to every query head for each call (the layout PyTorch's own SDPA hands this op) and not kept; their
+    gradients are summed back over each group. Output: (batch, H, seq, 2d)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, scaling):
+        heads = query.shape[1]
+        padded_query, padded_key, value_pairs = _pad_to_pairs(query, key, value)
+        groups = heads // padded_key.shape[1]
+        output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, _ = (
+            torch.ops.aten._scaled_dot_product_flash_attention(
+                padded_query, repeat_kv(padded_key, groups), repeat_kv(value_pairs, groups), 0.0, True, False,
+                scale=scaling,
+            )
+        )
+        ctx.save_for_backward(query, key, value, output, logsumexp, cum_seq_q, cum_seq_k, philox_seed, philox_offset)
+        ctx.max_q, ctx.max_k, ctx.scaling = max_q, max_k, scaling
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, key, value, output, logsumexp, cum_seq_q, cum_seq_k, philox_seed, philox_offset = ctx.saved_tensors
+        batch, heads, seq, head_dim = query.shape
+        padded_query, padded_key, value_pairs = _pad_to_pairs(query, key, value)
+        kv_heads = padded_key.shape[1]
+        grad_query, grad_key, grad_value = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_output.contiguous(), padded_query, repeat_kv(padded_key, heads // kv_heads),
+            repeat_kv(value_pairs, heads // kv_heads), output, logsumexp, cum_seq_q, cum_seq_k, ctx.max_q, ctx.max_k,
+            0.0, True, philox_seed, philox_offset, scale=ctx.scaling,
+        )
+        # Back from every query head to the key/value heads: the sum over each group (repeat_kv's order).
+        grad_key = grad_key.view(batch, kv_heads, heads // kv_heads, seq, 2 * head_dim).sum(2)
+        grad_value = grad_value.view(batch, kv_heads, heads // kv_heads, seq, 2 * head_dim).sum(2)
+        grad_pairs = sum(grad_value.chunk(2, dim=1))  # both halves of the heads read the same value pairs
+        grad_value = torch.cat(grad_pairs.split(head_dim, dim=-1), dim=1)
+        return grad_query[..., :head_dim], grad_key[..., :head_dim], grad_value, None
+
+
 def _future_is_masked(attention_mask: torch.Tensor, query_len: int, key_len: int) -> bool:
     """Whether no query may see a key after its own position, the queries being the last `query_len` positions (any
     causal mask, padded or not), so that the key columns right of a row block can be skipped. One pass over the mask
@@ -421,6 +469,25 @@ def blocked_differential_attention(module, query, key, value, attention_mask, la
     return output.to(lambda_full.dtype), None
 
 
+def paired_sdpa_cuda_differential_attention(module, query, key, value, attention_mask, lambda_full, **kwargs):
+    attn_output = CausalPairedAttentionCUDA.apply(query, key, value, module.scaling).transpose(1, 2)
+    return _pair_difference(*attn_output.chunk(2, dim=2), lambda_full), None
+
+
+def _is_causal_cuda_half_training(module, query, key, attention_mask) -> bool:
+    """CUDA, bf16/fp16 (FlashAttention's dtypes), padded width 2d at most 256 (its largest head), plain causal
+    self-attention, the private ops present, not compiling."""
+    return (
+        attention_mask is None
+        and key.shape[2] == query.shape[2]
+        and query.device.type == "cuda"
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and 2 * query.shape[-1] <= 256
+        and _has_cuda_flash_attention()
+        and not torch.compiler.is_compiling()
+    )
+
+
 def _is_causal_cpu_training(module, query, key, attention_mask) -> bool:
     """CPU, plain causal self-attention (no padding mask, no cached prefix), the private ops present, not compiling."""
     return (
@@ -467,6 +534,12 @@ class DifferentialAttentionInterface(GeneralInterface):
             _is_causal_cpu_training,
             "CPU SDPA flash kernel on the padded layout, saving only d-wide tensors for backward (private aten op, "
             "guarded)",
+        ),
+        "paired_sdpa_cuda": DifferentialKernel(
+            paired_sdpa_cuda_differential_attention,
+            _is_causal_cuda_half_training,
+            "CUDA FlashAttention on the padded layout, saving only d-wide tensors for backward (private aten op, "
+            "guarded; bf16/fp16)",
         ),
     }
 
