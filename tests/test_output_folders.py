@@ -13,7 +13,9 @@ import pytest
 from conftest import folder_checksum, make_llama, tiny_model
 from diff_llama.cli import main
 from diff_llama.configuration_diff_llama import REMOTE_CODE_FILES
-from diff_llama.output_folder import MARKER, foreign_entries, remove_stale_temporaries, write_marker
+from diff_llama.output_folder import (
+    MARKER, foreign_entries, new_output_folder, remove_stale_temporaries, write_marker,
+)
 
 
 def _fails_in_one_line(capsys, argv, code=2) -> str:
@@ -203,3 +205,20 @@ def test_an_interrupted_evaluation_resumes_without_scoring_a_case_twice(tmp_path
     assert main(_evaluate_argv(llama, out, "--overwrite")) == 0
     assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "cases.jsonl", "retrieval.json", "retrieval.md",
                                                             "retrieval.png"])
+
+
+def test_a_failed_run_leaves_no_folder_it_created(tmp_path, capsys, monkeypatch):
+    """Bad input found after the output's folders were made: convert (an atomic output) and demo (a folder written
+    in place) remove the folders above the output that they created, and keep those that were there."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "kept").mkdir()
+    assert "no such folder" in _fails_in_one_line(capsys, ["convert", str(tmp_path / "absent"), "new/sub/model"])
+    assert "no such folder" in _fails_in_one_line(capsys, ["convert", str(tmp_path / "absent"), "kept/sub/model"])
+    assert "--steps must be 1 or more" in _fails_in_one_line(capsys, ["demo", "--output", "new/demo", "--steps", "0"])
+    with pytest.raises(RuntimeError):  # evaluate, ruler and demo: a failure before anything was written
+        with new_output_folder("new/deeper/run", command="evaluate"):
+            raise RuntimeError("the models did not load")
+    with pytest.raises(RuntimeError):
+        with new_output_folder("kept/run", command="evaluate"):
+            raise RuntimeError("the models did not load")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["kept"] and not any((tmp_path / "kept").iterdir())

@@ -170,6 +170,10 @@ class DemoOptions:
     overwrite: bool = field(default=False, metadata={"help": (
         "replace --output if an earlier diff-llama run wrote it and it holds nothing else")})
 
+    def __post_init__(self):
+        if self.steps < 1:
+            raise UserError(f"--steps must be 1 or more, not {self.steps}.")
+
 
 # ---- evaluate and adapt -------------------------------------------------------------------------------------------
 

@@ -153,7 +153,7 @@ def new_output_folder(path: str | os.PathLike, overwrite: bool = False, fix: str
                 write_marker(temporary, command, **marker_details)
             yield temporary
         return
-    created = not Path(path).exists()
+    created = [folder for folder in (Path(path).absolute(), *Path(path).absolute().parents) if not folder.exists()]
     Path(path).mkdir(parents=True, exist_ok=True)
     if command is not None:
         write_marker(path, command, **marker_details)
@@ -163,8 +163,9 @@ def new_output_folder(path: str | os.PathLike, overwrite: bool = False, fix: str
         # A run that failed before writing anything leaves the folder as it found it, so a rerun is not refused.
         if [entry.name for entry in Path(path).iterdir()] == [MARKER]:
             (Path(path) / MARKER).unlink()
-            if created:
-                Path(path).rmdir()
+            for folder in created:  # the output, then the folders above it that this run made
+                with contextlib.suppress(OSError):  # not empty: left alone
+                    folder.rmdir()
         raise
 
 
@@ -191,16 +192,21 @@ class AtomicOutputFolder:
             if refusal is not None:
                 raise OutputExistsError(f"{refusal}.")
         self.output = Path(output).absolute()
-        self.output.parent.mkdir(parents=True, exist_ok=True)
         self.path = None
+        # The folders above `output` that this run creates: a failed run removes them again (when still empty).
+        self.created_parents = [folder for folder in self.output.parents if not folder.exists()]
 
     def __enter__(self) -> Path:
+        self.output.parent.mkdir(parents=True, exist_ok=True)
         self.path = Path(tempfile.mkdtemp(prefix=_temporary_prefix(self.output, "partial"), dir=self.output.parent))
         return self.path
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None:
             shutil.rmtree(self.path, ignore_errors=True)
+            for folder in self.created_parents:  # deepest first
+                with contextlib.suppress(OSError):  # not empty (another process wrote there): left alone
+                    folder.rmdir()
             return False
         _make_shareable(self.path)
         if self.output.exists():

@@ -118,7 +118,8 @@ COMMANDS: dict[str, Command] = {
         (("source", "folder of a diff-llama checkpoint"), ("output", "folder to write; must not exist")),
     ),
     "demo": Command(
-        "train a small fresh DiffLlama on offline text, save, reload and generate (about a minute on CPU)",
+        "train a small fresh DiffLlama on offline text, save, reload and generate (minutes on a 2-core CPU; fewer "
+        "--steps, sooner)",
         "demo", (o.DemoOptions,), (),
         "Train a small fresh DiffLlama on Python standard-library docstrings, save it with its tokenizer, reload it "
         "through AutoModelForCausalLM and generate with pipeline().",

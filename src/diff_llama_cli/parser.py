@@ -36,7 +36,8 @@ def add_dataclass_options(parser: argparse.ArgumentParser, options_class) -> Non
     for field in dataclasses.fields(options_class):
         if not field.init:
             continue
-        names = [f"--{field.name}"] + ([f"--{field.name.replace('_', '-')}"] if "_" in field.name else [])
+        # The dashed name first: usage and help show it, as the docs write it; the underscored one still parses.
+        names = ([f"--{field.name.replace('_', '-')}"] if "_" in field.name else []) + [f"--{field.name}"]
         kwargs = dict(field.metadata)
         kind = hints[field.name]
         if typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None is X
@@ -60,12 +61,23 @@ def add_dataclass_options(parser: argparse.ArgumentParser, options_class) -> Non
                 kwargs["type"] = _choice(kwargs["choices"])
         parser.add_argument(*names, dest=field.name, **kwargs)
         if kind is bool and field.default is True:
-            parser.add_argument(f"--no_{field.name}", f"--no-{field.name.replace('_', '-')}", action="store_false",
-                                dest=field.name, help=argparse.SUPPRESS)
+            parser.add_argument(f"--no-{field.name.replace('_', '-')}", f"--no_{field.name}", action="store_false",
+                                dest=field.name, help=f"turn --{field.name.replace('_', '-')} off")
 
 
 class _HelpFormatter(argparse.HelpFormatter):
-    """Adds "(default: ...)" to an option's help unless the help already says what the default is."""
+    """Adds "(default: ...)" to an option's help unless the help already says what the default is, and shows a bool
+    field as the flag it is (`--lora`, not `--lora [LORA]`; `--lora false` still parses)."""
+
+    def _format_args(self, action, default_metavar):
+        if action.type is _bool:
+            return ""
+        return super()._format_args(action, default_metavar)
+
+    def _format_action_invocation(self, action):
+        if action.type is _bool:
+            return ", ".join(action.option_strings)
+        return super()._format_action_invocation(action)
 
     def _get_help_string(self, action):
         text = action.help or ""
