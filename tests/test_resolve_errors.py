@@ -266,3 +266,35 @@ def test_recover_names_a_recorded_source_that_moved(tmp_path, capsys, tokenizer)
     err = _fails_in_one_line(capsys, ["recover", str(tmp_path / "diff"), "--output", str(tmp_path / "out")])
     assert f"{source}: no such folder" in err and "the source recorded in" in err and "pass --source" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def _write_gguf(path, name):
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_name(name)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_each_gguf_file_is_parsed_once_within_the_block(tmp_path):
+    """transformers parses a GGUF header for the config, the model and the tokenizer; convert shares one parse per
+    file (the real SmolLM2 conversion: once instead of five times)."""
+    gguf = pytest.importorskip("gguf")
+    from diff_llama.resolve import each_gguf_parsed_once
+
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    _write_gguf(first, "a")
+    _write_gguf(second, "b")
+    parse = gguf.GGUFReader
+    with each_gguf_parsed_once():
+        reader = gguf.GGUFReader(first)
+        assert gguf.GGUFReader(str(first)) is reader and gguf.GGUFReader(second) is not reader
+        assert bytes(reader.fields["general.name"].parts[-1]) == b"a"
+        _write_gguf(first, "rewritten")  # another file at the same path: parsed afresh
+        assert bytes(gguf.GGUFReader(first).fields["general.name"].parts[-1]) == b"rewritten"
+    assert gguf.GGUFReader is parse and gguf.GGUFReader(first) is not gguf.GGUFReader(first)

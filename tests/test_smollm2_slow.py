@@ -62,9 +62,23 @@ def test_diff_v2_conversion_is_exact_on_smollm2(tmp_path):
     from diff_llama.corpus import HELD_OUT_MODULES, stdlib_docstrings
     from diff_llama.smollm2 import smollm2_gguf_path
 
+    import gguf as gguf_package
+
     gguf = smollm2_gguf_path()
     out = tmp_path / "v2"
-    report = convert_llama_to_diff_llama(str(gguf), str(out), ConversionOptions(diff_version=2), progress=False)
+    parses = []
+    parse = gguf_package.GGUFReader
+
+    def counted(*args, **kwargs):
+        parses.append(args[0])
+        return parse(*args, **kwargs)
+
+    gguf_package.GGUFReader = counted
+    try:
+        report = convert_llama_to_diff_llama(str(gguf), str(out), ConversionOptions(diff_version=2), progress=False)
+    finally:
+        gguf_package.GGUFReader = parse
+    assert len(parses) == 1, parses  # config, weights, tokenizer, licence and file type read from one parse
     assert report.num_attention_heads == 18 and report.num_key_value_heads == 3
     assert abs(report.quality["converted_perplexity"] / report.quality["source_perplexity"] - 1) < 5e-4
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

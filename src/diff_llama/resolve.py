@@ -6,6 +6,7 @@ would cost a minute of retries (offline) and end in a traceback. A Hub id is che
 when the Hub cannot be asked, it loads from the cache, offline, or fails in one line that names both readings.
 """
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +100,36 @@ def check_gguf_magic(path: Path) -> None:
         what = "is empty" if not magic else "does not start with GGUF's magic bytes"
         raise ModelNotFoundError(f"{path} {what}, so it is not a GGUF model: download it again, or give another .gguf "
                                  "file, a model folder or a Hub id.")
+
+
+@contextlib.contextmanager
+def each_gguf_parsed_once():
+    """Within the block, every `gguf.GGUFReader` of one file is the same reader. transformers parses a GGUF file's
+    whole header (its vocabulary: seconds for a small model) once for the config, again for the model and again for
+    the tokenizer; the reader only reads its memory-mapped file, so one parse serves them all. Without `gguf`
+    installed, nothing changes."""
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    parse = gguf.GGUFReader
+    readers = {}
+
+    def shared_reader(path, *args, **kwargs):
+        if args or kwargs:  # another mode than read-only: its own reader
+            return parse(path, *args, **kwargs)
+        stat = os.stat(path)
+        key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+        if key not in readers:
+            readers[key] = parse(path)
+        return readers[key]
+
+    gguf.GGUFReader = shared_reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = parse
 
 
 def require_gguf() -> None:

@@ -53,7 +53,13 @@ def _run(argv) -> int:
         raise UsageError(f"unknown command {argv[0]!r}; {hint}commands: {', '.join(COMMANDS)}")
     values = parse(argv[0], argv[1:])
     commands = importlib.import_module("diff_llama.commands")  # torch: only once the arguments are known to be good
-    return getattr(commands, COMMANDS[argv[0]].run)(*values)
+    run = getattr(commands, COMMANDS[argv[0]].run)
+    if argv[0] == "serve":  # a server lives on: it should not keep every GGUF file it ever parsed
+        return run(*values)
+    from diff_llama.resolve import each_gguf_parsed_once
+
+    with each_gguf_parsed_once():  # a GGUF model's config, weights and tokenizer read from one parse of it
+        return run(*values)
 
 
 def main(argv=None) -> int:

@@ -23,7 +23,7 @@ from ..corpus import CALIBRATION_MODULES, HELD_OUT_MODULES, stdlib_docstrings
 from ..model_card import write_model_card
 from ..options import ConversionOptions
 from ..output_folder import AtomicOutputFolder
-from ..resolve import clean_tokenizer_config, has_tokenizer_files, save_tokenizer
+from ..resolve import clean_tokenizer_config, each_gguf_parsed_once, has_tokenizer_files, save_tokenizer
 from .base import LayerOutput, VersionConversion, checkpoint_schema
 from .calibration import LayerwiseRunner
 from .errors import ConversionError
@@ -89,10 +89,12 @@ def convert_llama_to_diff_llama(
     check_options(options)
     target = AtomicOutputFolder(output, overwrite=overwrite)  # refuses an output it may not replace before any work
 
-    src = open_source(source)
-    check_source(src)
-    version = conversion_for(src.config, options)
-    tokenizer = tokenizer_for(src, version, options)
+    with each_gguf_parsed_once():  # a GGUF source: its config, weights, tokenizer and licence read from one parse
+        src = open_source(source)
+        check_source(src)
+        version = conversion_for(src.config, options)
+        tokenizer = tokenizer_for(src, version, options)
+        source_facts = {"source_license": source_license(src), "source_gguf_type": source_gguf_type(src)}
     runner = layerwise_runner(src, version, options, tokenizer)
 
     with target as folder:
@@ -109,8 +111,7 @@ def convert_llama_to_diff_llama(
             seconds=time.perf_counter() - started,
             quality=quality,
             layers=layer_diagnostics,
-            source_license=source_license(src),
-            source_gguf_type=source_gguf_type(src),
+            **source_facts,
         )
         (folder / "conversion_report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
         write_model_card(folder, location=report.output)
