@@ -40,7 +40,10 @@ def test_export_builtin_command(tmp_path, capsys):
     assert main(["export-builtin", str(tmp_path / "ours"), str(tmp_path / "builtin")]) == 0
     assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "builtin")) is transformers.DiffLlamaForCausalLM
     err = _fails_in_one_line(capsys, ["export-builtin", str(tmp_path / "ours"), str(tmp_path / "builtin")])
-    assert err.endswith("already exists; choose a new output folder.")
+    assert err.endswith("is not empty; choose a new folder.")
+    (tmp_path / "empty").mkdir()  # an empty folder is written into, as by every command
+    assert main(["export-builtin", str(tmp_path / "ours"), str(tmp_path / "empty")]) == 0
+    assert (tmp_path / "empty" / "config.json").is_file()
 
 
 def _fails_in_one_line(capsys, argv, code=2) -> str:
@@ -306,7 +309,7 @@ def test_attention_maps_are_the_models_maps(tokenizer, diff_version):
     (["adapt", "{model}", "{out}", "--max-steps", "1"], "new folder"),
     (["demo", "--output", "{out}", "--steps", "1"], "new folder"),
     (["convert", "{model}", "{out}"], "new folder"),
-    (["export-builtin", "{model}", "{out}"], "new output folder"),
+    (["export-builtin", "{model}", "{out}"], "new folder"),
 ])
 def test_a_folder_with_files_is_refused_in_one_line_and_left_as_it_was(tmp_path, tokenizer, capsys, command, fix):
     model = tmp_path / "model"

@@ -13,7 +13,7 @@ import transformers
 from transformers.core_model_loading import revert_weight_conversion
 
 from .configuration_diff_llama import DiffLlamaConfig
-from .errors import InputNotFoundError, OutputExistsError, UserError
+from .errors import InputNotFoundError, UserError
 from .modeling_diff_llama import DiffLlamaForCausalLM
 
 # Fields that exist only in diff-llama's config; the built-in config would keep them as stray attributes.
@@ -73,17 +73,18 @@ def export_folder_to_builtin(source: str | os.PathLike, output_dir: str | os.Pat
 
     from transformers import AutoTokenizer
 
-    if Path(output_dir).exists():
-        raise OutputExistsError(f"{output_dir} already exists; choose a new output folder.")
+    from .output_folder import AtomicOutputFolder
+    from .resolve import save_tokenizer
+
+    target = AtomicOutputFolder(output_dir)  # new or empty; written beside it and renamed once complete
     if not Path(source, "config.json").is_file():
         raise InputNotFoundError(f"{source}: no such diff-llama checkpoint folder (no config.json).")
     config = DiffLlamaConfig.from_pretrained(source)
     to_builtin_config(config)  # refuses what the built-in cannot compute before the weights are read
-    export_to_builtin(DiffLlamaForCausalLM.from_pretrained(source, config=config), output_dir)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError):  # a checkpoint saved without its tokenizer: the weights are still useful
-        return
-    from .resolve import save_tokenizer
-
-    save_tokenizer(tokenizer, output_dir)
+    with target as folder:
+        export_to_builtin(DiffLlamaForCausalLM.from_pretrained(source, config=config), folder)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError):  # a checkpoint saved without its tokenizer: the weights are still useful
+            return
+        save_tokenizer(tokenizer, folder)

@@ -115,7 +115,7 @@ COMMANDS: dict[str, Command] = {
     "export-builtin": Command(
         "save a DiffLlama for transformers' built-in DiffLlamaForCausalLM (even KV heads only)",
         "export_builtin", (),
-        (("source", "folder of a diff-llama checkpoint"), ("output", "folder to write; must not exist")),
+        (("source", "folder of a diff-llama checkpoint"), ("output", "folder to write: new or empty")),
     ),
     "demo": Command(
         "train a small fresh DiffLlama on offline text, save, reload and generate (minutes on a 2-core CPU; fewer "
