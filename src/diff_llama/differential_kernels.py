@@ -143,6 +143,13 @@ def _has_cpu_flash_attention() -> bool:
     )
 
 
+def _unpadded_gradients(grad_query, grad_key, grad_value, head_dim):
+    """Gradients on `_pad_to_pairs`' layout -> those of the d-wide query, key and value it was built from."""
+    grad_pairs = sum(grad_value.chunk(2, dim=1))  # both halves of the heads read the same value pairs
+    grad_value = torch.cat(grad_pairs.split(head_dim, dim=-1), dim=1)
+    return grad_query[..., :head_dim], grad_key[..., :head_dim], grad_value
+
+
 class CausalPairedAttentionCPU(torch.autograd.Function):
     """Training on CPU, causal, no padding mask: the fused SDPA kernel on the padded layout of `_pad_to_pairs`, but
     saving for backward only the d-wide query, key and value (and the output), not their padded copies. The padded
@@ -165,9 +172,7 @@ class CausalPairedAttentionCPU(torch.autograd.Function):
             grad_output.contiguous(), *_pad_to_pairs(query, key, value), output, logsumexp, 0.0, True,
             scale=ctx.scaling,
         )
-        grad_pairs = sum(grad_value.chunk(2, dim=1))  # both halves of the heads read the same value pairs
-        grad_value = torch.cat(grad_pairs.split(head_dim, dim=-1), dim=1)
-        return grad_query[..., :head_dim], grad_key[..., :head_dim], grad_value, None
+        return (*_unpadded_gradients(grad_query, grad_key, grad_value, head_dim), None)
 
 
 def _has_cuda_flash_attention() -> bool:
@@ -213,9 +218,7 @@ class CausalPairedAttentionCUDA(torch.autograd.Function):
         # Back from every query head to the key/value heads: the sum over each group (repeat_kv's order).
         grad_key = grad_key.view(batch, kv_heads, heads // kv_heads, seq, 2 * head_dim).sum(2)
         grad_value = grad_value.view(batch, kv_heads, heads // kv_heads, seq, 2 * head_dim).sum(2)
-        grad_pairs = sum(grad_value.chunk(2, dim=1))  # both halves of the heads read the same value pairs
-        grad_value = torch.cat(grad_pairs.split(head_dim, dim=-1), dim=1)
-        return grad_query[..., :head_dim], grad_key[..., :head_dim], grad_value, None
+        return (*_unpadded_gradients(grad_query, grad_key, grad_value, head_dim), None)
 
 
 def _future_is_masked(attention_mask: torch.Tensor, query_len: int, key_len: int) -> bool:

@@ -351,7 +351,8 @@ class DiffLlamaPreTrainedModel(LlamaPreTrainedModel):
         """Choose the differential attention kernel (version 1) by name, from `ALL_DIFFERENTIAL_KERNELS`: "generic",
         "blocked", "decode", "paired_sdpa_cpu", "paired_sdpa_cuda" or one registered with
         `DifferentialAttentionInterface.register`. It serves every call it supports; the others keep the automatic
-        choice (`DIFFERENTIAL_KERNEL_DISPATCH`), which `None` restores. Sets `config.differential_kernel`, so a saved model keeps the choice."""
+        choice (`DIFFERENTIAL_KERNEL_DISPATCH`), which `None` restores. Sets `config.differential_kernel`, so a saved
+        model keeps the choice."""
         if kernel is not None and kernel not in ALL_DIFFERENTIAL_KERNELS:
             raise ValueError(
                 f"Unknown differential kernel {kernel!r}; choose one of {ALL_DIFFERENTIAL_KERNELS.valid_keys()} or None "

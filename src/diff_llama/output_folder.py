@@ -139,6 +139,18 @@ def clear_output(path: str | os.PathLike) -> None:
         shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
 
+def _missing_folders(folder: Path) -> list[Path]:
+    """`folder` and the folders above it that do not exist yet, deepest first."""
+    return [each for each in (folder, *folder.parents) if not each.exists()]
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove each folder in order, leaving any that is not empty (another process wrote there)."""
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
 @contextlib.contextmanager
 def new_output_folder(path: str | os.PathLike, overwrite: bool = False, fix: str = "choose a new folder",
                       command: str | None = None, **marker_details):
@@ -153,7 +165,7 @@ def new_output_folder(path: str | os.PathLike, overwrite: bool = False, fix: str
                 write_marker(temporary, command, **marker_details)
             yield temporary
         return
-    created = [folder for folder in (Path(path).absolute(), *Path(path).absolute().parents) if not folder.exists()]
+    created = _missing_folders(Path(path).absolute())
     Path(path).mkdir(parents=True, exist_ok=True)
     if command is not None:
         write_marker(path, command, **marker_details)
@@ -163,9 +175,7 @@ def new_output_folder(path: str | os.PathLike, overwrite: bool = False, fix: str
         # A run that failed before writing anything leaves the folder as it found it, so a rerun is not refused.
         if [entry.name for entry in Path(path).iterdir()] == [MARKER]:
             (Path(path) / MARKER).unlink()
-            for folder in created:  # the output, then the folders above it that this run made
-                with contextlib.suppress(OSError):  # not empty: left alone
-                    folder.rmdir()
+            _remove_empty(created)  # the output, then the folders above it that this run made
         raise
 
 
@@ -194,7 +204,7 @@ class AtomicOutputFolder:
         self.output = Path(output).absolute()
         self.path = None
         # The folders above `output` that this run creates: a failed run removes them again (when still empty).
-        self.created_parents = [folder for folder in self.output.parents if not folder.exists()]
+        self.created_parents = _missing_folders(self.output.parent)
 
     def __enter__(self) -> Path:
         self.output.parent.mkdir(parents=True, exist_ok=True)
@@ -204,9 +214,7 @@ class AtomicOutputFolder:
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None:
             shutil.rmtree(self.path, ignore_errors=True)
-            for folder in self.created_parents:  # deepest first
-                with contextlib.suppress(OSError):  # not empty (another process wrote there): left alone
-                    folder.rmdir()
+            _remove_empty(self.created_parents)
             return False
         _make_shareable(self.path)
         if self.output.exists():
