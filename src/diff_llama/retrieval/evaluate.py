@@ -77,7 +77,7 @@ def evaluate_model(model, tokenizer, options: RetrievalArguments, name: str = "m
     return report
 
 
-def _run_description(models: list[str], names: list[str], options: RetrievalArguments) -> dict:
+def run_description(models: list[str], names: list[str], options: RetrievalArguments) -> dict:
     """What an interrupted run must share with the rerun that resumes it (kept in the output folder's marker)."""
     return {"models": [str(Path(m).resolve()) if Path(m).exists() else m for m in models], "names": list(names),
             "options": {k: v for k, v in asdict(options).items() if k not in RESUMABLE_CHANGES}}
@@ -141,7 +141,7 @@ def evaluate_models(models: list[str], options: RetrievalArguments, overwrite: b
         find_model(source, tokenizer=True)
     from ..output_folder import new_output_folder
 
-    output, run = Path(options.output), _run_description(models, names, options)
+    output, run = Path(options.output), run_description(models, names, options)
     scored = None if overwrite else interrupted_run(output, run)
     if scored is not None:
         print(f"Resuming the interrupted evaluation in {output}: the {len(scored)} case(s) already scored in "

@@ -21,10 +21,10 @@ from tqdm.auto import tqdm
 
 from ..errors import UserError
 from ..options import RulerOptions
-from .evaluate import _run_description, display_name, interrupted_run
+from .evaluate import run_description, display_name, interrupted_run
 from .ruler_cases import build_ruler_cases, case_file_contents, read_case_file, ruler_prompt, write_case_file
 from .scoring import greedy_answer
-from .statistics import _mean, paired_comparison
+from .statistics import mean_or_none, paired_comparison
 
 _UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 VALUE_PATTERNS = {"numbers": re.compile(r"\d+"), "uuids": re.compile(_UUID, re.IGNORECASE)}
@@ -72,9 +72,9 @@ def summarize_ruler(results: list[dict]) -> dict:
         groups = {}
         for r in results:
             groups.setdefault(key(r), []).append(r["correct"])
-        return {k: _mean(v) for k, v in groups.items()}
+        return {k: mean_or_none(v) for k, v in groups.items()}
 
-    return {"accuracy": _mean(r["correct"] for r in results),
+    return {"accuracy": mean_or_none(r["correct"] for r in results),
             "accuracy_by_cell": by(lambda r: f"{r['task']}/{r['length']}"),
             "accuracy_by_task": by(lambda r: r["task"]), "accuracy_by_length": by(lambda r: str(r["length"]))}
 
@@ -174,7 +174,7 @@ def ruler_models(models: list[str], options: RulerOptions, overwrite: bool = Fal
         find_model(source, tokenizer=True)
     if options.cases_file:
         read_case_file(options.cases_file)  # a bad file too
-    output, run = Path(options.output), _run_description(models, names, options)
+    output, run = Path(options.output), run_description(models, names, options)
     scored = None if overwrite or options.cases_only else interrupted_run(output, run, "ruler", "ruler.json")
     if scored is not None:
         print(f"Resuming the interrupted run in {output}: the {len(scored)} case(s) already scored in cases.jsonl are "

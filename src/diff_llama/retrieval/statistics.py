@@ -9,7 +9,8 @@ from ..errors import UserError
 from .cases import CATEGORIES
 
 
-def _mean(values) -> float | None:
+def mean_or_none(values) -> float | None:
+    """The mean of `values`; None where there are none (a cell no case fell in)."""
     values = list(values)
     return sum(values) / len(values) if values else None
 
@@ -26,19 +27,19 @@ def summarize(results: list[dict]) -> dict:
         rows = [r["allocation"] for r in rows if r["allocation"]]
         if not rows:
             return None
-        means = {k: _mean(a[k] for a in rows) for k in (*CATEGORIES, "noise", "total")}
+        means = {k: mean_or_none(a[k] for a in rows) for k in (*CATEGORIES, "noise", "total")}
         # Shares of the row total: a differential map's rows sum to 1 - λ, so raw masses of models with different λ
         # (V2's conversion starts at λ = 0.5) are not comparable; their shares are.
         means.update({f"{k}_share": means[k] / means["total"] for k in (*CATEGORIES, "noise")})
         return means
 
     summary = {
-        "accuracy": _mean(r["correct"] for r in results),
-        "accuracy_by_cell": {f"{length}/{n}x{q}": _mean(r["correct"] for r in rows) for (length, n, q), rows in
+        "accuracy": mean_or_none(r["correct"] for r in results),
+        "accuracy_by_cell": {f"{length}/{n}x{q}": mean_or_none(r["correct"] for r in rows) for (length, n, q), rows in
                              group(lambda r: (r["length"], r["num_needles"], r["num_queries"])).items()},
-        "accuracy_by_depth": {f"{d * 100:g}": _mean(r["correct"] for r in rows)
+        "accuracy_by_depth": {f"{d * 100:g}": mean_or_none(r["correct"] for r in rows)
                               for d, rows in group(lambda r: r["depth"]).items()},
-        "accuracy_by_length": {str(k): _mean(r["correct"] for r in rows)
+        "accuracy_by_length": {str(k): mean_or_none(r["correct"] for r in rows)
                                for k, rows in group(lambda r: r["length"]).items()},
         "allocation": allocation(results),
         "allocation_by_depth": {f"{d * 100:g}": allocation(rows) for d, rows in group(lambda r: r["depth"]).items()},
