@@ -446,7 +446,10 @@ def render(result: dict) -> str:
             lines.append(f"| {LABELS[name]} | – | – | – | – |")
             continue
         first, last = history["probes"][0], history["probes"][-1]
-        lines.append(f"| {LABELS[name]} | {len(history['steps'])} | {60 * history['train_minutes']:.0f} | "
+        # An adapt stopped by the time guard left the history of its last probe: no total, the steps' own clock.
+        minutes = history.get("train_minutes", history["steps"][-1]["train_minutes"] if history["steps"] else None)
+        seconds = "–" if minutes is None else f"{60 * minutes:.0f}"
+        lines.append(f"| {LABELS[name]} | {len(history['steps'])} | {seconds} | "
                      f"{first['accuracy']:.0%} → {last['accuracy']:.0%} | {first['perplexity']:.2f} → "
                      f"{last['perplexity']:.2f} |")
     own = result["cases"]["own"]

@@ -131,6 +131,25 @@ def test_pairs_are_the_cases_both_models_finished(dry_run):
     assert comparison["own"]["cases"] + comparison["ruler"]["cases"] == 3
 
 
+@pytest.mark.parametrize("steps_done", [0, 1])
+def test_the_report_renders_an_adapt_that_the_time_guard_stopped_mid_training(dry_run, tmp_path, steps_done):
+    """`adapt` writes its history at each probe (step 0 first) and its total training time only at the end: what a
+    run stopped by the time guard leaves is a history without that total (seen in a dry run on a loaded CPU)."""
+    saved = json.loads((dry_run[1] / "cuda-retrieval.json").read_text())
+    history = saved["training"]["source"]
+    history["steps"] = history["steps"][:steps_done]
+    history["probes"] = history["probes"][:1]
+    del history["train_minutes"], history["stopped_by_budget"]
+    saved["jobs"]["adapt-source"].update(returncode=-15, stopped_by_time_guard=True)
+    (tmp_path / "cuda-retrieval.json").write_text(json.dumps(saved))
+    suite.render_file(tmp_path / "cuda-retrieval.json", echo=False)
+    report = (tmp_path / "cuda-retrieval.md").read_text()
+    row = next(line for line in report.splitlines() if line.startswith(f"| {cuda_retrieval.LABELS['source']} | "))
+    seconds = row.split("|")[3].strip()
+    assert seconds == ("–" if steps_done == 0 else f"{60 * saved['training']['source']['steps'][-1]['train_minutes']:.0f}")
+    assert "adapt-source was stopped by the time guard" in report and f"trained {steps_done} of 2 steps" in report
+
+
 def test_the_time_guard_stops_what_runs_and_still_writes_the_report(tmp_path, chatml_tokenizer):
     llama = make_llama(tmp_path / "llama", chatml_tokenizer)
     plan = cuda_retrieval.Plan.for_dry_run("cpu", max_seconds=15.0)  # no time beyond the report's 15 s
