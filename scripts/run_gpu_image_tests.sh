@@ -11,6 +11,7 @@
 # - scripts/run_cuda_checks.sh --dry-run: the GPU checks' tests and benchmark, on the CPU's tiny shape;
 # - the tests of what those checks run on the GPU (compiled decoding, the kernels, DIFF V2, the op counts, the
 #   benchmark's own).
+# Not through setup_env.sh, which installs this package and torch 2.13.0: the image has neither.
 # PyPI's torch 2.11.0 is a CUDA build: the first run downloads about 3 GB of CUDA libraries, which load here without
 # a GPU. The retrieval run's dry run (scripts/run_cuda_retrieval.sh --dry-run with a payload) can use the same venv:
 # PYTHON=.venv-gpu-image/bin/python.
@@ -23,7 +24,10 @@ image_packages=(torch==2.11.0 transformers==5.17.0 accelerate==1.15.0 safetensor
                 tokenizers==0.23.2 numpy==2.5.2 peft tqdm matplotlib pytest)
 stamp="$venv/.gpu-image-setup"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "${image_packages[*]}" ]; then
-    python=$(command -v python3.12 || command -v python3)
+    python=python3
+    for candidate in python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do
+        if "$candidate" -c "" 2>/dev/null; then python=$candidate; break; fi  # a pyenv shim may exist and refuse
+    done
     [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
     rm -f "$stamp"
     "$venv/bin/python" -m pip install -q "${image_packages[@]}"
