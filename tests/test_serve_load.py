@@ -26,7 +26,6 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:"
     "{% endif %}"
 )
-CONTEXT = 4096  # long enough that a generation up to it takes seconds: what the timeout test needs
 TIMEOUT = 3.0
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
 
@@ -39,18 +38,26 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def served_folder(tmp_path_factory, tokenizer):
-    """A tiny DiffLlama with a 4096-token context that never writes EOS, so a generation runs to max_tokens."""
+CONTEXT = 4096  # long enough that a generation up to it takes seconds: what the timeout test needs
+SMALL_CONTEXT = 128  # short enough that a generation up to it takes a second
+PATIENT_TIMEOUT = 60.0  # a timeout that ends no request of these tests
+
+
+def _never_ending_model(folder, tokenizer, context):
+    """A tiny DiffLlama with a `context`-token context that never writes EOS, so a generation runs to its limit."""
     tokenizer.chat_template = CHAT_TEMPLATE
-    model = tiny_model(vocab_size=len(tokenizer), max_position_embeddings=CONTEXT)
+    model = tiny_model(vocab_size=len(tokenizer), max_position_embeddings=context)
     with torch.no_grad():
         model.lm_head.weight[tokenizer.eos_token_id] = 0
         model.lm_head.weight *= 10
-    folder = tmp_path_factory.mktemp("serve-load") / "tiny"
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def served_folder(tmp_path_factory, tokenizer):
+    return _never_ending_model(tmp_path_factory.mktemp("serve-load") / "tiny", tokenizer, CONTEXT)
 
 
 def _start(folder, guarded: bool, timeout: float = TIMEOUT):
@@ -77,6 +84,22 @@ def _start(folder, guarded: bool, timeout: float = TIMEOUT):
 @pytest.fixture(scope="module")
 def guarded(served_folder):
     server, url = _start(served_folder, guarded=True)
+    yield url
+    server.kill_server()
+
+
+@pytest.fixture(scope="module")
+def patient(served_folder):
+    """The same model behind a guard whose timeout ends no request here: what stops a generation is the test's."""
+    server, url = _start(served_folder, guarded=True, timeout=PATIENT_TIMEOUT)
+    yield url
+    server.kill_server()
+
+
+@pytest.fixture(scope="module")
+def small_context(tmp_path_factory, tokenizer):
+    folder = _never_ending_model(tmp_path_factory.mktemp("serve-small") / "tiny", tokenizer, SMALL_CONTEXT)
+    server, url = _start(folder, guarded=True, timeout=PATIENT_TIMEOUT)
     yield url
     server.kill_server()
 
@@ -176,7 +199,7 @@ def test_a_request_past_the_timeout_gets_a_503_and_its_generation_stops(guarded,
     assert status == 503 and answer["error"]["code"] == "timeout", answer
     assert "--request-timeout" in answer["error"]["message"] and f"{TIMEOUT:g} s" in answer["error"]["message"]
     assert TIMEOUT <= seconds < TIMEOUT + 5
-    # transformers' max_time stopped that generation: the next request is not queued behind thousands of tokens
+    # the guard's stop flag ended that generation: the next request is not queued behind thousands of tokens
     status, _, seconds = _post(guarded, _ask())
     assert status == 200 and seconds < TIMEOUT + 5
     # and the abandoned generation's end raised nothing in the server (a cancelled request would: InvalidStateError)
@@ -195,6 +218,85 @@ def test_a_stream_past_the_timeout_ends_with_an_error_event(guarded):
     assert json.loads(events[-1])["error"]["code"] == "timeout" and TIMEOUT <= seconds < TIMEOUT + 5
     status, _, seconds = _post(guarded, _ask())
     assert status == 200 and seconds < TIMEOUT + 5  # the stream's generation was cancelled
+
+
+def _leave_mid_request(url, body, seconds, answers):
+    """Sends `body` to /v1/chat/completions from a raw socket and closes it after `seconds`; `answers` gets the
+    first byte of the answer by then, or None (it left mid-request)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    address = urlsplit(url)
+    data = json.dumps(body).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {address.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode()
+    with socket.create_connection((address.hostname, address.port)) as client:
+        client.sendall(head + data)
+        client.settimeout(seconds)
+        try:
+            answers.append(client.recv(1))
+        except TimeoutError:
+            answers.append(None)
+
+
+def test_a_client_that_leaves_a_non_streamed_request_frees_the_model(patient, caplog):
+    """Thousands of tokens asked for, non-streamed: once its client has gone, the generation stops, and so does one
+    queued behind it whose client went too. The next request does not wait for either."""
+    import threading
+
+    long_request, answers = _ask(max_tokens=CONTEXT - 100), []  # minutes of generation each
+    first = threading.Thread(target=_leave_mid_request, args=(patient, long_request, 2.0, answers))
+    first.start()
+    time.sleep(0.5)
+    _leave_mid_request(patient, long_request, 1.0, answers)  # queued behind the first
+    first.join()
+    assert answers == [None, None]
+    status, answer, seconds = _post(patient, _ask(), timeout=PATIENT_TIMEOUT / 2)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 4
+    assert seconds < 10  # not behind the generations of the requests that left
+    assert not [record for record in caplog.records if record.levelname == "ERROR"], caplog.text
+
+
+def test_a_client_that_leaves_a_stream_frees_the_model_too(patient):
+    """transformers' server cancels a stream whose client has gone; the guard, the one reader of the client's
+    messages, passes the disconnect on."""
+    answers = []
+    _leave_mid_request(patient, _ask(max_tokens=CONTEXT - 100, stream=True), 1.0, answers)
+    assert answers == [b"H"]  # streaming had begun: HTTP/1.1 200 ...
+    status, _, seconds = _post(patient, _ask(), timeout=PATIENT_TIMEOUT / 2)
+    assert status == 200 and seconds < 10
+
+
+def test_a_request_without_max_tokens_gets_at_most_the_room_left_in_the_context(small_context, tokenizer):
+    """transformers' server would generate its default 1024 tokens, far past this 128-token context."""
+    content = "The quick brown fox " * 4
+    status, answer, _ = _post(small_context, {"messages": [{"role": "user", "content": content}]})
+    assert status == 200, answer
+    prompt_tokens, completion_tokens = answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"]
+    assert SMALL_CONTEXT - 60 < prompt_tokens < SMALL_CONTEXT - 10  # a prompt that leaves some room
+    assert prompt_tokens + completion_tokens == SMALL_CONTEXT and answer["choices"][0]["finish_reason"] == "length"
+    status, answer, _ = _post(small_context, {"prompt": content}, "/v1/completions")
+    assert status == 200 and answer["usage"]["total_tokens"] == SMALL_CONTEXT
+    assert answer["usage"]["completion_tokens"] == SMALL_CONTEXT - len(tokenizer(content)["input_ids"])
+    status, answer, _ = _post(small_context, {"messages": MESSAGES, "max_completion_tokens": 3})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 3  # also where transformers reads max_tokens only
+
+
+def test_max_tokens_is_set_only_where_the_server_would_run_past_the_context():
+    from transformers import GenerationConfig
+
+    from diff_llama.request_guard import fit_answer_to_context
+
+    body = {"messages": MESSAGES}
+    assert fit_answer_to_context(body, GenerationConfig(max_new_tokens=2048), 2048) is body
+    assert fit_answer_to_context(body, GenerationConfig(max_new_tokens=2048), 2047) == {**body, "max_tokens": 2047}
+    assert fit_answer_to_context(body, GenerationConfig(), 1023)["max_tokens"] == 1023  # the server's 1024 at least
+    own = {**body, "generation_config": json.dumps({"max_new_tokens": 50})}
+    assert fit_answer_to_context(own, None, 60) is own and fit_answer_to_context(own, None, 40)["max_tokens"] == 40
+    asked = {**body, "max_tokens": 5}
+    assert fit_answer_to_context(asked, GenerationConfig(), 3) is asked  # check_length refuses it before
+    newer = {**body, "max_completion_tokens": 5}
+    assert fit_answer_to_context(newer, GenerationConfig(), 10) == {**newer, "max_tokens": 5}
 
 
 @pytest.mark.parametrize("case", ["max_tokens 0", "no messages", "temperature not a number"])

@@ -1,5 +1,6 @@
 """The guard `diff-llama serve` puts in front of transformers' server: completion requests are checked before the
-server sees them, and none runs past the request timeout.
+server sees them, none generates past the model's context, and none runs on once its client has gone or past the
+request timeout.
 
 transformers serve (5.24) answers a body without `messages`, a `max_tokens` of 0, below 0 or not a number and a
 `temperature` that is not a number with a 500 that gives no reason (a streamed `max_tokens: 0` gets a 200 whose one
@@ -7,17 +8,25 @@ event is an error). It runs a prompt longer than the model's context, or a `max_
 that takes (minutes on a CPU, memory growing all the while), and a request queued behind others (it generates one
 request at a time) waits with no deadline. The guard, an ASGI middleware, refuses each such request with a 4xx in
 OpenAI's error format, `{"error": {"message", "type", "param", "code"}}`, whose message names the limit and the fix
-(the context-length messages are OpenAI's own words); what it lets through reaches transformers' server unchanged.
+(the context-length messages are OpenAI's own words). A request without `max_tokens` would get the generation
+config's `max_new_tokens` (at least 1024) however little room its prompt leaves; as OpenAI and vLLM do, the guard
+caps it at the room left in the context (it sets `max_tokens`, which is also what the servers before 5.24 read in
+place of `max_completion_tokens`). Anything else reaches transformers' server unchanged.
 
 Every guarded request gets `timeout` seconds, its wait for the model included. Past it, a request that has no
-answer yet gets a 503 that says so, and a stream ends with an error event; either way the request's generation is
-cancelled (a stream) or stopped by transformers' own `max_time` (the model's generation config gets the same
-timeout), so that the requests behind it get the model.
+answer yet gets a 503 that says so, and a stream ends with an error event. A stream's generation is cancelled, by
+the guard past the timeout and by transformers' server when its client leaves. A non-streamed generation cannot be
+cancelled that way (transformers' inference thread sets its result on the awaited future), so the guard stops it
+itself: it reads the client's messages while the server answers, and once the client has gone or the time is up,
+a stopping criterion it adds to that generation ends it at its next token (or before it starts, if it is still
+queued), so that the requests behind it get the model.
 
 Only torch-free imports at module level: `diff-llama serve --help` must not pay for them.
 """
 
 import contextlib
+import contextvars
+import functools
 import json
 
 # Endpoint -> the field that holds its input. Others under /v1 with a JSON body get the JSON and model checks only.
@@ -186,9 +195,99 @@ def check_length(path: str, body: dict, prompt_tokens: int, context: int) -> Non
                            code="context_length_exceeded")
 
 
+def fit_answer_to_context(body: dict, generation_config, room: int) -> dict:
+    """The body to pass on, with `max_tokens` set where transformers' server would otherwise generate past the
+    context: a request that names no answer length gets at most the `room` left in it, and one that names only
+    `max_completion_tokens` gets it as `max_tokens` too (the servers before 5.24 read `max_tokens` alone)."""
+    if body.get("max_tokens") is not None:
+        return body
+    if body.get("max_completion_tokens") is not None:
+        return {**body, "max_tokens": body["max_completion_tokens"]}
+    default = default_answer_tokens(body, generation_config)
+    if default is None or default <= room:
+        return body
+    return {**body, "max_tokens": room}
+
+
+def default_answer_tokens(body: dict, generation_config) -> int | None:
+    """How many tokens transformers' server generates for a request that names no answer length: the request's own
+    `generation_config`'s max_new_tokens, or the model's, at least 1024 (None: only a max_length bounds it)."""
+    if body.get("generation_config") is not None:
+        requested = json.loads(body["generation_config"]).get("max_new_tokens")
+        return requested if isinstance(requested, int) else None
+    return max(generation_config.max_new_tokens or 0, 1024)
+
+
 def context_length(model) -> int | None:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return getattr(config, "max_position_embeddings", None)
+
+
+# ---- stopping a request's generation ---------------------------------------------------------------------------------
+
+# The stop flag (a threading.Event) of the guarded request whose handler is running: transformers' handler submits its
+# generation from the request's own task, whose context the guard set.
+REQUEST_STOP = contextvars.ContextVar("diff_llama_request_stop", default=None)
+
+
+def stop_generations_on_request(generation_state) -> None:
+    """Makes each sequential generation manager that `generation_state` hands out give the non-streamed generations of
+    guarded requests a stopping criterion on their request's stop flag. (Continuous batching has no such manager.)"""
+    get_manager = generation_state.get_manager
+
+    def get_stoppable_manager(*args, **kwargs):
+        manager = get_manager(*args, **kwargs)
+        submit = getattr(manager, "async_submit", None)
+        if submit is not None and not getattr(submit, "stops_on_request", False):
+            manager.async_submit = stoppable_submit(submit)
+        return manager
+
+    generation_state.get_manager = get_stoppable_manager
+
+
+def stoppable_submit(submit):
+    """`submit` (a manager's `async_submit`, which the handler calls as `async_submit(model.generate, **kwargs)`), with
+    the calling request's stop flag checked before its generation starts and after each token."""
+
+    def submit_stoppable(fn, *args, **kwargs):
+        flag = REQUEST_STOP.get()
+        if flag is None or "generation_config" not in kwargs:  # not the generation of a guarded request
+            return submit(fn, *args, **kwargs)
+        from transformers import StoppingCriteriaList
+
+        criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+        criteria.append(stop_flag_criterion()(flag))
+        return submit(generate_unless_stopped(fn, flag), *args, **{**kwargs, "stopping_criteria": criteria})
+
+    submit_stoppable.stops_on_request = True
+    return submit_stoppable
+
+
+def generate_unless_stopped(generate, flag):
+    """`generate`, skipped for a request stopped while it waited for the model: its prompt comes back (no answer)
+    without the seconds a long prompt's first forward pass takes."""
+
+    def run(*args, **kwargs):
+        return kwargs["input_ids"] if flag.is_set() else generate(*args, **kwargs)
+
+    return run
+
+
+@functools.cache
+def stop_flag_criterion():
+    import torch
+    from transformers import StoppingCriteria
+
+    class StopFlag(StoppingCriteria):
+        """Ends the generation once `flag` is set: its request's client has gone, or its time is up."""
+
+        def __init__(self, flag):
+            self.flag = flag
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), self.flag.is_set(), dtype=torch.bool, device=input_ids.device)
+
+    return StopFlag
 
 
 # ---- the middleware --------------------------------------------------------------------------------------------------
@@ -214,13 +313,17 @@ class RequestGuard:
         try:
             served = self.served_model()
             raw = await read_body(receive, body_limit(served and context_length(served[1])))
-            await self.check(scope["path"], parse_body(raw), served)
+            body = parse_body(raw)
+            passed = await self.check(scope["path"], body, served)
         except RequestError as error:
             await send_error(send, error)
             return
         except ClientGone:
             return
-        await self.answer_in_time(scope, replay(raw, receive), send)
+        if passed is not body:
+            raw = json.dumps(passed).encode()
+            scope = with_content_length(scope, len(raw))
+        await self.answer_in_time(scope, raw, receive, send)
 
     def served_model(self):
         """(name, model, processor) of the model the server is pinned to, or None when it serves any model. The
@@ -234,29 +337,32 @@ class RequestGuard:
         repo, gguf_file = split_model_id(str(name))
         model, processor = self.model_manager.load_model_and_processor(
             self.model_manager.process_model_name(repo), gguf_file=gguf_file)
-        if self.timeout and getattr(model.generation_config, "max_time", None) is None:
-            # transformers' own stopping criterion: a generation whose request timed out frees the model.
-            model.generation_config.max_time = self.timeout
         return name, model, processor
 
-    async def check(self, path: str, body: dict, served) -> None:
+    async def check(self, path: str, body: dict, served) -> dict:
+        """The body to pass on to the server (`body`, or a copy whose answer fits the context); refuses a bad one."""
         if served is not None:
             check_model(body, served[0])
         check_fields(path, body)
         if served is None:
-            return
+            return body
         _, model, processor = served
         context = context_length(model)
-        if path in COMPLETION_INPUTS and context:
-            import anyio.to_thread
+        if path not in COMPLETION_INPUTS or not context:
+            return body
+        import anyio.to_thread
 
-            # off the event loop: a long prompt takes a while to tokenize, and the streams being answered go on
-            prompt_tokens = await anyio.to_thread.run_sync(count_prompt_tokens, path, body, processor)
-            check_length(path, body, prompt_tokens, context)
+        # off the event loop: a long prompt takes a while to tokenize, and the streams being answered go on
+        prompt_tokens = await anyio.to_thread.run_sync(count_prompt_tokens, path, body, processor)
+        check_length(path, body, prompt_tokens, context)
+        return fit_answer_to_context(body, model.generation_config, context - prompt_tokens)
 
-    async def answer_in_time(self, scope, receive, send):
+    async def answer_in_time(self, scope, raw: bytes, receive, send):
         import asyncio
+        import threading
 
+        stop = threading.Event()  # set: the request's generation ends (see stop_generations_on_request)
+        client_gone = asyncio.Event()
         started = answered = False
 
         async def watched_send(message):
@@ -266,18 +372,33 @@ class RequestGuard:
             started = started or message["type"] == "http.response.start"
             await send(message)
 
-        app = asyncio.ensure_future(self.app(scope, receive, watched_send))
+        async def watch_client():
+            # After its body, a client's only message is its disconnect (or the end of the response, which reads
+            # the same); the server's app gets it from `replay`, so the guard is the one reader of `receive`.
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            stop.set()
+            client_gone.set()
+
+        watcher = asyncio.ensure_future(watch_client())
+        token = REQUEST_STOP.set(stop)
+        app = asyncio.ensure_future(self.app(scope, replay(raw, client_gone), watched_send))  # in this context
+        REQUEST_STOP.reset(token)
         try:
             done, _ = await asyncio.wait({app}, timeout=self.timeout)
         except asyncio.CancelledError:
+            stop.set()
             app.cancel()
             raise
+        finally:
+            watcher.cancel()
         if done:
             app.result()  # the server's own exceptions go on to its error handling
             return
+        stop.set()
         error = RequestError(503, f"the request ran past the server's request timeout of {self.timeout:g} s, its "
-                                  "wait for the model included: retry later, send fewer requests at once or ask for fewer tokens, or start the server "
-                                  "with a longer --request-timeout", code="timeout")
+                                  "wait for the model included: retry later, send fewer requests at once or ask for "
+                                  "fewer tokens, or start the server with a longer --request-timeout", code="timeout")
         if started:  # a stream: cancelling it cancels its generation; end it as transformers' server ends a failed one
             app.cancel()
             await asyncio.gather(app, return_exceptions=True)
@@ -287,7 +408,7 @@ class RequestGuard:
         answered = True
         await send_error(send, error)
         # Not cancelled: transformers' inference thread sets the awaited result when the generation ends, an error
-        # on a cancelled future. The generation stops at max_time (see served_model) and its answer is dropped.
+        # on a cancelled future. The stop flag ends the generation at its next token, and its answer is dropped.
         self.unanswered.add(app)
         app.add_done_callback(self._forget)
 
@@ -318,8 +439,8 @@ async def read_body(receive, limit: int | None) -> bytes:
             return b"".join(chunks)
 
 
-def replay(raw: bytes, receive):
-    """A `receive` that gives the body already read, then the client's own messages (its disconnect)."""
+def replay(raw: bytes, client_gone):
+    """The app's `receive`: the body the guard read, then the client's disconnect once the guard has seen it."""
     replayed = False
 
     async def receive_again():
@@ -327,9 +448,15 @@ def replay(raw: bytes, receive):
         if not replayed:
             replayed = True
             return {"type": "http.request", "body": raw, "more_body": False}
-        return await receive()
+        await client_gone.wait()
+        return {"type": "http.disconnect"}
 
     return receive_again
+
+
+def with_content_length(scope, size: int):
+    headers = [(name, value) for name, value in scope["headers"] if name.lower() != b"content-length"]
+    return {**scope, "headers": [*headers, (b"content-length", str(size).encode())]}
 
 
 async def send_error(send, error: RequestError) -> None:
@@ -342,13 +469,15 @@ async def send_error(send, error: RequestError) -> None:
 @contextlib.contextmanager
 def guarded_server(timeout: float | None):
     """Within this context, transformers' server (`transformers.cli.serve.Serve`, which imports `build_server` when
-    it starts) puts a `RequestGuard` with `timeout` in front of its app."""
+    it starts) puts a `RequestGuard` with `timeout` in front of its app, and its generations stop on the guard's
+    word."""
     from transformers.cli.serving import server
 
     original = server.build_server
 
     def build_guarded_server(model_manager, *args, **kwargs):
         app = original(model_manager, *args, **kwargs)
+        stop_generations_on_request(kwargs["generation_state"])
         app.add_middleware(RequestGuard, model_manager=model_manager, timeout=timeout)
         return app
 

@@ -10,8 +10,9 @@ at once) and preloaded, and models whose config is a DiffLlama load with this pa
 `--trust-remote-code` with the code saved in the model folder. Any other model loads as `transformers serve` loads it.
 Requests may name the model as MODEL was typed (`smollm2`, the path given), as the server names it, or not at all.
 And a guard in front of the server (`request_guard`) refuses bad completion requests with a 4xx that says why (where
-transformers' server answers some with a 500, or runs a prompt past the model's context for minutes), and ends any
-request that runs past `--request-timeout`, its wait for the model included.
+transformers' server answers some with a 500, or runs a prompt past the model's context for minutes), caps an answer
+with no `max_tokens` at the room left in the context, and ends the generation of any request that runs past
+`--request-timeout`, its wait for the model included, or whose client has gone.
 
 `--engine vllm` serves MODEL with `vllm serve` instead, through vLLM's Transformers backend: DIFF V2's attention makes
 one call through transformers' attention interface, which vLLM replaces with its paged attention (version 1 makes two
