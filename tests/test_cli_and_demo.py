@@ -44,6 +44,11 @@ def test_export_builtin_command(tmp_path, capsys):
     (tmp_path / "empty").mkdir()  # an empty folder is written into, as by every command
     assert main(["export-builtin", str(tmp_path / "ours"), str(tmp_path / "empty")]) == 0
     assert (tmp_path / "empty" / "config.json").is_file()
+    # export-builtin has no --overwrite: its refusal of a folder diff-llama wrote (here its own input) offers none
+    before = sorted(p.name for p in (tmp_path / "ours").iterdir())
+    err = _fails_in_one_line(capsys, ["export-builtin", str(tmp_path / "ours"), str(tmp_path / "ours")])
+    assert err.endswith("is not empty; choose a new folder.") and "--overwrite" not in err, err
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == before
 
 
 def _fails_in_one_line(capsys, argv, code=2) -> str:
@@ -220,6 +225,55 @@ def test_options_are_judged_while_parsing_in_one_line(capsys):
     assert err == "diff-llama recover: error: give either --data or --generate, not both."
     err = _fails_in_one_line(capsys, ["evaluate", "m", "--settings", "4y2"])
     assert "setting '4y2' is not NxR" in err and "e.g. 4x2" in err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["generate", "m", "Hi", "--max-new-tokens", "0"], "--max-new-tokens must be 1 or more, not 0."),
+    (["generate", "m", "Hi", "--temperature", "-1"], "--temperature must be 0 or more, not -1."),
+    (["generate", "m", "Hi", "--top-p", "2"], "--top-p must be above 0 and at most 1, not 2."),
+    (["attention-map", "m", "--text", " ", "--layer", "0"], "--text is empty"),
+    (["train", "m", "--data", "t.txt", "--output", "{out}", "--batch-size", "0"], "--batch-size must be 1 or more"),
+    (["train", "m", "--data", "t.txt", "--output", "{out}", "--block-size", "0"], "--block-size must be 2 or more"),
+    (["train", "m", "--data", "t.txt", "--output", "{out}", "--lora", "--lora-rank", "0"],
+     "--lora-rank must be 1 or more"),
+    (["train", "m", "--data", "t.txt", "--output", "{out}", "--learning-rate", "-1"],
+     "--learning-rate must be above 0, not -1."),
+    (["train", "m", "--data", "t.txt", "--output", "{out}", "--epochs", "0"], "--epochs must be above 0, not 0."),
+    (["train", "m", "--data", "t.txt", "--output", "{out}", "--max-steps", "0"], "--max-steps must be 1 or more"),
+    (["train", "m", "--data", "t.txt", "--output", "{out}", "--save-steps", "0"], "--save-steps must be 1 or more"),
+    (["recover", "m", "--output", "{out}", "--batch-size", "-2"], "--batch-size must be 1 or more, not -2."),
+    (["recover", "m", "--output", "{out}", "--eval-minutes", "0"], "--eval-minutes must be above 0"),
+    (["evaluate", "m", "--output", "{out}", "--cases-per-depth", "0"], "--cases-per-depth must be 1 or more"),
+    (["evaluate", "m", "--output", "{out}", "--max-new-tokens", "0"], "--max-new-tokens must be 1 or more"),
+    (["ruler", "m", "--output", "{out}", "--max-new-tokens", "0"], "--max-new-tokens must be 1 or more"),
+])
+def test_a_nonsense_number_is_one_line_before_anything_is_written(tmp_path, capsys, argv, says):
+    """torch, peft and the Trainer would refuse these later, after OUTPUT exists, with a traceback (or train on,
+    uphill, with a negative learning rate); a half-written OUTPUT was left behind."""
+    out = tmp_path / "out"
+    err = _fails_in_one_line(capsys, [a.format(out=out) for a in argv])
+    assert says in err, err
+    assert not out.exists()
+
+
+def test_an_empty_prompt_is_one_line(tmp_path, tokenizer, capsys):
+    model = tiny_model(vocab_size=len(tokenizer))
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    err = _fails_in_one_line(capsys, ["generate", str(tmp_path / "m"), "", "--raw"])
+    assert "the prompt is empty" in err, err
+
+
+def test_attention_map_never_draws_among_other_files(tmp_path, tokenizer, capsys):
+    """The model's own folder (or any folder of files) is not a folder of maps: nothing is added to it."""
+    model = tiny_model(vocab_size=len(tokenizer), num_attention_heads=4, num_key_value_heads=2)
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    before = sorted(p.name for p in (tmp_path / "m").iterdir())
+    err = _fails_in_one_line(capsys, ["attention-map", str(tmp_path / "m"), "--text", "The quick brown fox",
+                                      "--layer", "0", "--output", str(tmp_path / "m")])
+    assert "holds files that are not attention maps" in err and "choose a new folder" in err, err
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == before
 
 
 def test_python_m_runs_the_command_line_and_shares_the_librarys_classes():

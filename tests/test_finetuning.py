@@ -121,6 +121,30 @@ def test_train_command_checkpoints_resumes_and_plots(tmp_path, saved_model):
     assert reloaded.get_lambdas().shape == (reloaded.config.num_hidden_layers,)
 
 
+def test_resume_passes_over_a_checkpoint_interrupted_while_being_written(tmp_path, saved_model, capsys):
+    """Ctrl-C while the Trainer saves leaves a checkpoint without trainer_state.json, which it writes last; the
+    Trainer's own resume fails on it with a traceback."""
+    text = tmp_path / "text.txt"
+    text.write_text(SAMPLE_TEXT)
+    out = tmp_path / "out"
+    common = [str(saved_model), "--data", str(text), "--output", str(out), "--block-size", "32", "--batch-size", "2",
+              "--save-steps", "2", "--logging-steps", "1", "--no-monitor"]
+    assert main(["train", *common, "--max-steps", "4"]) == 0
+    (out / "checkpoint-4" / "trainer_state.json").unlink()  # what the interrupted save of checkpoint-4 left
+    capsys.readouterr()
+    assert main(["train", *common, "--max-steps", "6", "--resume"]) == 0
+    assert "Skipping" in capsys.readouterr().err and (out / "checkpoint-6" / "trainer_state.json").is_file()
+    history = json.loads((out / "training_log.json").read_text())
+    assert [e["step"] for e in history if "loss" in e] == [1, 2, 3, 4, 5, 6]  # steps 3 and 4 again, from checkpoint-2
+
+    for state in out.glob("checkpoint-*/trainer_state.json"):
+        state.unlink()
+    capsys.readouterr()
+    assert main(["train", *common, "--max-steps", "8", "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "was interrupted while being written" in err and "checkpoint-6" in err, err
+
+
 def test_train_command_lora_merge_and_bad_data(tmp_path, saved_model, capsys):
     text = tmp_path / "text.txt"
     text.write_text(SAMPLE_TEXT)

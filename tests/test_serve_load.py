@@ -156,6 +156,7 @@ BAD_REQUESTS = {
         ["reduce the length"]),
     "text prompt longer than the context": ("/v1/completions", {"prompt": LONG, "max_tokens": 4}, 400, "prompt",
                                             ["your prompt resulted in"]),
+    "empty text prompt": ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400, "prompt", ["prompt is empty"]),
     "temperature not a number": ("/v1/chat/completions", _ask(temperature="hot"), 400, "temperature", ["a number"]),
     "temperature below 0": ("/v1/chat/completions", _ask(temperature=-1), 400, "temperature", ["0 or more"]),
     "top_p above 1": ("/v1/chat/completions", _ask(top_p=1.5), 400, "top_p", ["at most 1"]),

@@ -105,3 +105,17 @@ def test_adapt_trains_and_saves_smollm2_from_its_gguf(tmp_path):
     adapted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert adapted.config.model_type == "llama" and not hasattr(adapted.config, "quantization_config")
     assert (out / "tokenizer.json").exists() and (out / "adapt.json").exists()
+
+
+def test_train_fine_tunes_smollm2_from_its_gguf(tmp_path):
+    """`diff-llama train smollm2 --lora`: the Trainer refuses a model marked GGUF-quantized, although its weights were
+    dequantized at load time (found by the user trial: a traceback)."""
+    from diff_llama.cli import main
+    from diff_llama.corpus import stdlib_docstrings
+
+    text = tmp_path / "text.txt"
+    text.write_text(stdlib_docstrings()[:4000])
+    out = tmp_path / "lora"
+    assert main(["train", "smollm2", "--data", str(text), "--output", str(out), "--lora", "--max-steps", "1",
+                 "--batch-size", "1", "--block-size", "64", "--no-monitor"]) == 0
+    assert (out / "adapter_model.safetensors").is_file() and (out / "training_log.json").is_file()

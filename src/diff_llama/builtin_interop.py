@@ -76,7 +76,7 @@ def export_folder_to_builtin(source: str | os.PathLike, output_dir: str | os.Pat
     from .output_folder import AtomicOutputFolder
     from .resolve import save_tokenizer
 
-    target = AtomicOutputFolder(output_dir)  # new or empty; written beside it and renamed once complete
+    target = AtomicOutputFolder(output_dir, offers_overwrite=False)  # new or empty; renamed into place once complete
     if not Path(source, "config.json").is_file():
         raise InputNotFoundError(f"{source}: no such diff-llama checkpoint folder (no config.json).")
     config = DiffLlamaConfig.from_pretrained(source)

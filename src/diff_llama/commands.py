@@ -45,8 +45,10 @@ def generate(model, prompt, options: o.GenerateOptions) -> int:
     from .resolve import load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(model)
-    lm = load_causal_lm(model)
     inputs = encode_prompt(tokenizer, prompt, use_chat_template=not options.raw)
+    if inputs["input_ids"].shape[-1] == 0:
+        raise UserError("the prompt is empty; give some text to continue (with --raw, no chat template adds any).")
+    lm = load_causal_lm(model)
     sampling = dict(do_sample=True, temperature=options.temperature, top_p=options.top_p) if options.temperature > 0 else {}
     torch.manual_seed(options.seed)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -89,16 +91,17 @@ def attention_map(model, options: o.AttentionMapOptions) -> int:
 
 
 def check_map_folder(output: Path, existing: list[Path], overwrite: bool) -> None:
-    """Maps of other layers or heads may share the folder: only the maps this run would replace are refused, and
-    `overwrite` replaces them only in a folder of maps that diff-llama wrote."""
-    from .output_folder import replace_refusal
+    """Maps of other layers or heads may share the folder (one that attention-map made): only the maps this run would
+    replace are refused, and `overwrite` replaces them only in a folder of maps that diff-llama wrote."""
+    from .output_folder import holds_files, read_marker, replace_refusal
 
-    if not existing:
-        return
-    refusal = replace_refusal(output)
+    refusal = replace_refusal(output) if existing else None
     if overwrite and refusal is not None:
         raise OutputExistsError(f"--overwrite refused: {refusal}.")
-    if not overwrite:
+    if holds_files(output) and (read_marker(output) or {}).get("command") != "attention-map":
+        raise OutputExistsError(f"{output} holds files that are not attention maps diff-llama drew; choose a new "
+                                "folder for --output.")
+    if existing and not overwrite:
         these = "it" if len(existing) == 1 else f"these {len(existing)} maps"
         hint = f", or pass --overwrite to replace {these}" if refusal is None else ""
         raise OutputExistsError(f"{existing[0]} already exists; choose another --output{hint}.")

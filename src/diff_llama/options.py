@@ -16,6 +16,20 @@ from typing import Literal
 
 from .errors import UserError
 
+
+def require_at_least(minimum: float, **values: float | None) -> None:
+    """Refuse, in one line naming the option, the first value below `minimum` (None: not given, so its default)."""
+    for name, value in values.items():
+        if value is not None and value < minimum:
+            raise UserError(f"--{name.replace('_', '-')} must be {minimum:g} or more, not {value:g}.")
+
+
+def require_above_zero(**values: float | None) -> None:
+    """Refuse, in one line naming the option, the first value that is 0 or negative (None: not given)."""
+    for name, value in values.items():
+        if value is not None and not value > 0:
+            raise UserError(f"--{name.replace('_', '-')} must be above 0, not {value:g}.")
+
 # ---- convert ------------------------------------------------------------------------------------------------------
 
 
@@ -81,6 +95,16 @@ class TrainingRunOptions:
     resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint-N in --output"})
     seed: int = field(default=0, metadata={"help": "seed of initialisation, data order and sampling"})
 
+    def __post_init__(self):
+        # Checked here, before a model loads or OUTPUT is made: torch, peft and the Trainer would fail later, after
+        # OUTPUT exists, with a traceback (or, for a negative learning rate, train uphill without a word).
+        if self.max_steps != -1:
+            require_at_least(1, max_steps=self.max_steps)
+        require_at_least(1, lora_rank=self.lora_rank, batch_size=self.batch_size)
+        require_at_least(2, block_size=self.block_size)  # a block predicts each token from the ones before it
+        require_above_zero(learning_rate=self.learning_rate)
+        require_at_least(0, lambda_learning_rate=self.lambda_learning_rate)
+
 
 @dataclass(kw_only=True)
 class FineTuneOptions(TrainingRunOptions):
@@ -96,6 +120,12 @@ class FineTuneOptions(TrainingRunOptions):
     logging_steps: int = field(default=10, metadata={"help": "log the loss and λ every N steps (and at the end)"})
     monitor: bool = field(default=True, metadata={"help": (
         "log λ and differential-map statistics (--no-monitor turns it off)")})
+
+    def __post_init__(self):
+        super().__post_init__()
+        require_above_zero(epochs=self.epochs)
+        require_at_least(1, gradient_accumulation=self.gradient_accumulation, save_steps=self.save_steps,
+                         logging_steps=self.logging_steps)
 
 
 @dataclass(kw_only=True)
@@ -122,6 +152,11 @@ class RecoveryOptions(TrainingRunOptions):
     threads: int | None = field(default=None, metadata={"help": "CPU threads (default: torch's)"})
 
     def __post_init__(self):
+        super().__post_init__()
+        require_at_least(0, generate=self.generate, lambda_floor=self.lambda_floor,
+                         lambda_floor_ramp_steps=self.lambda_floor_ramp_steps)
+        require_at_least(1, eval_tokens=self.eval_tokens, save_steps=self.save_steps, threads=self.threads)
+        require_above_zero(eval_minutes=self.eval_minutes)
         if self.data and self.generate:
             raise UserError("give either --data or --generate, not both.")
         if self.max_steps <= 0 and not self.minutes > 0:
@@ -143,6 +178,12 @@ class GenerateOptions:
     seed: int = field(default=0, metadata={"help": "sampling seed"})
     raw: bool = field(default=False, metadata={"help": "send the prompt as plain text, ignoring the chat template"})
 
+    def __post_init__(self):
+        require_at_least(1, max_new_tokens=self.max_new_tokens)
+        require_at_least(0, temperature=self.temperature)
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"--top-p must be above 0 and at most 1, not {self.top_p:g}.")
+
 
 @dataclass
 class AttentionMapOptions:
@@ -153,6 +194,11 @@ class AttentionMapOptions:
     output: str = field(default="outputs/attention-maps", metadata={"help": "folder for the PNGs"})
     overwrite: bool = field(default=False, metadata={"help": (
         "replace PNGs of this layer already in --output (a folder of maps diff-llama wrote)")})
+
+    def __post_init__(self):
+        if not self.text.strip():
+            raise UserError("--text is empty; give the text whose attention to draw, e.g. --text \"The capital of "
+                            "France is Paris.\"")
 
 
 @dataclass
@@ -204,6 +250,10 @@ class RetrievalArguments:
         "help": "float32, bfloat16, float16, or auto (bfloat16 where the device computes it in hardware, else "
         "float32)"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda, ..."})
+
+    def __post_init__(self):
+        require_at_least(1, cases_per_depth=self.cases_per_depth, max_new_tokens=self.max_new_tokens)
+        require_at_least(0, perplexity_tokens=self.perplexity_tokens, threads=self.threads)
 
     def parsed_settings(self) -> list[tuple[int, int]]:
         result = []
@@ -265,6 +315,8 @@ class RulerOptions:
                                 f"{', '.join(RULER_OFFLINE_TASKS)}.")
         if self.cases < 1:
             raise UserError(f"--cases {self.cases}: give at least 1 case per task and length.")
+        require_at_least(1, max_new_tokens=self.max_new_tokens)
+        require_at_least(0, threads=self.threads)
         if self.cases_file and self.cases_only:
             raise UserError("--cases-only builds the cases and --cases-file reads them; give one of the two.")
 

@@ -192,11 +192,12 @@ class AtomicOutputFolder:
 
     A killed process leaves at most a hidden `.NAME.partial-*` folder, never a half-written `output`; the next one
     writing `output` removes it. `output` must be new or empty, or, with `overwrite`, a folder diff-llama may replace.
+    `offers_overwrite=False`: the command has no --overwrite, so the refusal of a folder with files does not offer it.
     """
 
-    def __init__(self, output: str | os.PathLike, overwrite: bool = False):
+    def __init__(self, output: str | os.PathLike, overwrite: bool = False, *, offers_overwrite: bool = True):
         remove_stale_temporaries(output)  # first: it may put back an output that an interrupted swap moved aside
-        check_new_output(output, overwrite=overwrite)
+        check_new_output(output, overwrite=overwrite, offers_overwrite=offers_overwrite)
         if Path(output).exists():  # even an empty folder is replaced: never the working directory or a folder above
             refusal = replace_refusal(output)
             if refusal is not None:

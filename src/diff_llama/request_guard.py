@@ -181,6 +181,8 @@ def check_length(path: str, body: dict, prompt_tokens: int, context: int) -> Non
     """OpenAI's `context_length_exceeded`: the prompt must leave room for the answer, and the answer asked for
     (`max_tokens`) must fit beside the prompt."""
     where = "messages" if path == "/v1/chat/completions" else "prompt"
+    if prompt_tokens == 0:  # the model has no token to continue from (transformers' server: a 500)
+        raise RequestError(400, f"the {where} is empty (0 tokens): send some text to complete", param=where)
     if prompt_tokens >= context:
         raise RequestError(400, f"This model's maximum context length is {context} tokens. However, your {where} "
                                 f"resulted in {prompt_tokens} tokens, which leaves no room for an answer. Please "

@@ -236,6 +236,18 @@ def load_causal_lm(name: str | os.PathLike, **kwargs):
     return _load(AutoModelForCausalLM, find_model(name), **kwargs)
 
 
+def release_gguf_quantizer(model) -> None:
+    """A model loaded from a GGUF file keeps transformers' GGUF quantizer, which refuses `save_pretrained`, even when
+    its weights were dequantized into ordinary tensors at load time (as they must be, to train them). Those weights
+    save like any others: drop the quantizer then. Packed GGUF layers are left alone (and saving stays refused)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    if quantizer is None or getattr(method, "value", method) != "gguf":
+        return
+    if not any(type(module).__name__.startswith("Gguf") for module in model.modules()):
+        quantizer.remove_quantization_config(model)
+
+
 def load_model(name: str | os.PathLike, dtype: str = "float32", device: str = "cpu"):
     """Model and tokenizer, ready for inference: `load_causal_lm` in `dtype` (a dtype option's value, 'auto'
     included: `precision.resolve_dtype`) with sdpa attention, moved to `device`, in eval mode; and `load_tokenizer`.

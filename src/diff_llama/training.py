@@ -23,6 +23,7 @@ in `modules_to_save`: PEFT trains them and stores them in the adapter.
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -131,17 +132,35 @@ def plot_training_loss(log_history: list[dict], output: str | Path) -> Path:
     return save_png(fig, output)
 
 
+def checkpoint_folders(output_dir: str | Path) -> list[Path]:
+    """The Trainer's checkpoint-N folders in `output_dir`, oldest first."""
+    found = [p for p in Path(output_dir).glob("checkpoint-*") if p.is_dir() and p.name[len("checkpoint-"):].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len("checkpoint-"):]))
+
+
 def resume_checkpoint(output_dir: str | Path, resume: bool) -> str | None:
     """The checkpoint to resume from. Refuses to resume from nothing, to start over silently on top of an earlier
     run's checkpoints (the Trainer would mix them up with the new run's), and to write among other files."""
-    from transformers.trainer_utils import get_last_checkpoint
+    from transformers.trainer import TRAINER_STATE_NAME
 
     from .output_folder import check_new_output
 
-    last = get_last_checkpoint(str(output_dir)) if Path(output_dir).is_dir() else None
+    checkpoints = checkpoint_folders(output_dir)
+    # The Trainer writes trainer_state.json last: a checkpoint without it was interrupted while being written.
+    complete = [c for c in checkpoints if Path(c, TRAINER_STATE_NAME).is_file()]
+    last = str(complete[-1]) if complete else None
+    if resume and checkpoints and str(checkpoints[-1]) != last:
+        partial = checkpoints[-1]
+        if last is None:
+            raise InputNotFoundError(
+                f"--resume: {partial} was interrupted while being written (it has no {TRAINER_STATE_NAME}) and no "
+                f"earlier checkpoint is complete; remove {partial} and start without --resume, or choose a new folder."
+            )
+        print(f"Skipping {partial}: interrupted while being written (no {TRAINER_STATE_NAME}); resuming from "
+              f"{Path(last).name}.", file=sys.stderr)
     if resume and last is None:
         raise InputNotFoundError(f"--resume: no checkpoint-N folder in {output_dir}; start without --resume.")
-    if not resume and last is not None:
+    if not resume and checkpoints:
         raise OutputExistsError(
             f"{output_dir} already holds training checkpoints; pass --resume to continue, or choose a new folder."
         )
@@ -155,10 +174,12 @@ def load_for_training(model_path: str, seed: int):
     """Seed everything, then load tokenizer and model (float32) from any model argument (folder, Hub id, ...)."""
     from transformers import set_seed
 
-    from .resolve import load_causal_lm, load_tokenizer
+    from .resolve import load_causal_lm, load_tokenizer, release_gguf_quantizer
 
     set_seed(seed)
-    return load_tokenizer(model_path), load_causal_lm(model_path, dtype=torch.float32)
+    tokenizer, model = load_tokenizer(model_path), load_causal_lm(model_path, dtype=torch.float32)
+    release_gguf_quantizer(model)  # the Trainer refuses a model marked quantized, even once dequantized
+    return tokenizer, model
 
 
 def with_lora(model, options: TrainingRunOptions):

@@ -7,20 +7,9 @@ import os
 from pathlib import Path
 
 from ..errors import InputNotFoundError, UserError
+from ..resolve import release_gguf_quantizer
 from .settings import AdaptationOptions, check_options
 from .trainer import adapt
-
-
-def release_gguf_quantizer(model) -> None:
-    """A model loaded from a GGUF file keeps transformers' GGUF quantizer, which refuses `save_pretrained`, even when
-    its weights were dequantized into ordinary tensors at load time (as they must be, to train them). Those weights
-    save like any others: drop the quantizer then. Packed GGUF layers are left alone (and saving stays refused)."""
-    quantizer = getattr(model, "hf_quantizer", None)
-    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
-    if quantizer is None or getattr(method, "value", method) != "gguf":
-        return
-    if not any(type(module).__name__.startswith("Gguf") for module in model.modules()):
-        quantizer.remove_quantization_config(model)
 
 
 def check_adapt_output(output: Path, options: AdaptationOptions, overwrite: bool = False) -> None:
