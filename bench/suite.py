@@ -103,9 +103,23 @@ def package_version(package: str) -> str | None:
         return None
 
 
+def diff_llama_version() -> str | None:
+    """The installed diff-llama's version; the GPU runs use the checkout without installing it (PYTHONPATH=src),
+    so then the version of the source they import, marked as such."""
+    installed = package_version("diff-llama")
+    if installed is not None:
+        return installed
+    try:
+        import diff_llama
+    except ImportError:
+        return None
+    return f"{diff_llama.__version__} (source, not installed)"
+
+
 def versions() -> dict:
     return {"python": platform.python_version(),
-            **{package: package_version(package) for package in ("torch", "transformers", "diff-llama")}}
+            **{package: package_version(package) for package in ("torch", "transformers")},
+            "diff-llama": diff_llama_version()}
 
 
 def git_commit() -> str | None:
