@@ -12,7 +12,8 @@
 #   --budget S   wall-clock seconds for everything (default 480).
 #   benchmark options: --shapes, --figures, --models, --graph-models, --rounds, ... (python -m bench cuda_benchmark
 #                --help).
-# Writes OUT/cuda-device.txt, cuda-tests.log, cuda-bench.log, cuda.json (with the run's metadata) and cuda.md.
+# Writes OUT/cuda-device.txt, cuda-tests.log, memory.md (what one training layer keeps and peaks at, by kernel),
+# cuda-bench.log, cuda.json (with the run's metadata) and cuda.md.
 set -uo pipefail
 usage="usage: bash scripts/run_cuda_checks.sh [--dry-run] [--budget SECONDS] OUT [benchmark options...]"
 dry_run=()
@@ -59,6 +60,13 @@ timeout -k 10 $(( budget / 2 )) "$python" -m pytest "${tests[@]}" -q -p no:cache
     | tee "$out/cuda-tests.log"
 tests_status=${PIPESTATUS[0]}
 
+# Seconds: what one layer keeps for backward against its measured peak, per kernel, at the benchmark's 4,096 tokens;
+# the gap between the two is what the count of saved tensors cannot explain of the training memory.
+memory_args=(--device cuda --tokens 4096)
+[ ${#dry_run[@]} -gt 0 ] && memory_args=(--device cpu --tokens 64)
+timeout -k 10 60 "$python" -m bench saved_for_backward "${memory_args[@]}" > "$out/memory.md" 2>&1
+memory_status=$?
+
 # The benchmark gets what is left, less a margin for its last figure's overrun and the final write; the hard
 # limit behind it still leaves every round written before it (results are saved after each round).
 left=$(( budget - (SECONDS - started) - 30 ))
@@ -73,6 +81,8 @@ else
 fi
 
 echo
+echo "==== memory of one training layer (exit $memory_status):"
+if [ "$memory_status" -eq 0 ]; then grep '^|' "$out/memory.md"; else tail -n 5 "$out/memory.md"; fi
 echo "==== summary: $(tail -n 1 "$out/cuda-tests.log") (exit $tests_status); benchmark exit $bench_status;" \
     "$(( SECONDS - started )) s of $budget s; files in $out"
 if [ -f "$out/cuda.md" ]; then

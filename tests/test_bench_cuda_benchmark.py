@@ -59,8 +59,10 @@ def test_the_dry_run_measures_every_figure_of_every_model_and_ends_with_the_tabl
                    (rows[row][5 + index - 1] for index in measured if index)), row
     assert rows["train peak memory (GiB)"][:5] == ["–"] * 5  # no allocator statistics on the CPU
     assert "Targets (issue 40):" in summary
-    assert {path.name for path in out.iterdir()} >= {"cuda-device.txt", "cuda-tests.log", "cuda-bench.log",
-                                                     "cuda.json", "cuda.md"}
+    assert {path.name for path in out.iterdir()} >= {"cuda-device.txt", "cuda-tests.log", "memory.md",
+                                                     "cuda-bench.log", "cuda.json", "cuda.md"}
+    memory = result.stdout[result.stdout.index("==== memory"):result.stdout.index("==== summary")]
+    assert "(exit 0)" in memory and "| version 1, generic |" in memory and "| diff v2 |" in memory
 
 
 def test_the_dry_runs_json_has_the_suites_metadata_and_one_compilation_per_compiled_step(dry_run):
@@ -157,3 +159,21 @@ def test_a_ratio_inside_either_sides_spread_is_unreadable_and_the_targets_say_so
     assert ("- llama-3.2-1b, train peak memory (GiB): version 1 (diff-llama paired) 1.10x of llama, target ≤ 1.15x: "
             "met") in table
     assert "llama-3.2-1b, graphs b1, llama 2x heads: error RuntimeError: boom" in table
+
+
+def test_the_memory_probe_measures_each_paired_kernel_on_its_own_device_and_renders_the_peak():
+    """bench/saved_for_backward.py, which the GPU run calls before its benchmark: the CUDA paired kernel is measured
+    on CUDA only (and the CPU one on the CPU only), and a result with measured peaks gets their columns."""
+    import saved_for_backward
+
+    assert "version 1, paired_sdpa_cuda" in saved_for_backward.models_for("cuda:0")
+    assert "version 1, paired_sdpa_cpu" not in saved_for_backward.models_for("cuda")
+    assert "version 1, paired_sdpa_cuda" not in saved_for_backward.models_for("cpu")
+    saved, memory = saved_for_backward.saved_storages(saved_for_backward.build("llama", 1), 8, "cpu")
+    assert memory == {} and sum(entry["bytes"] for entry in saved) > 0
+    entry = {"shape": [1], "dtype": "bfloat16", "bytes": 2**20}
+    result = {"dtype": "bfloat16", "tokens": 8, "layers": 1, "device": "cuda",
+              "models": {"llama": [entry], "diff v2": [entry, entry]},
+              "memory": {"llama": {"after_forward": 2**20, "peak": 4 * 2**20},
+                         "diff v2": {"after_forward": 2 * 2**20, "peak": 6 * 2**20}}}
+    assert "| diff v2 | 2.00 | 2.000x | 2.00 | 6.00 | 1.500x |" in saved_for_backward.render(result)
