@@ -99,6 +99,43 @@ def test_convert_into_an_empty_working_directory_is_refused(tmp_path, model_dir,
     assert (tmp_path / "work").is_dir() and not any((tmp_path / "work").iterdir())
 
 
+@pytest.mark.parametrize("command", ["evaluate", "adapt", "convert"])
+@pytest.mark.parametrize("output", ["the-model", "above-it"])
+def test_overwrite_never_replaces_the_commands_own_input_or_a_folder_holding_it(tmp_path, model_dir, capsys,
+                                                                                command, output):
+    """`evaluate M --output M --overwrite` (or adapt's, or convert's from a file inside the folder) once replaced the
+    model it had just read with its report: the input, and any folder that holds it, is refused with and without
+    --overwrite, in one line, and nothing is touched."""
+    model_file = model_dir / "model.safetensors"
+    source = model_file if command == "convert" else model_dir
+    out = model_dir if output == "the-model" else tmp_path
+    before = folder_checksum(tmp_path)
+    argv = [a.format(model=source, out=out) for a in OVERWRITE_COMMANDS[command]]
+    err = _fails_in_one_line(capsys, [*argv, "--overwrite"])
+    assert "--overwrite refused" in err and "this command's input" in err and "give a new folder" in err, err
+    assert "--overwrite" not in _fails_in_one_line(capsys, argv)
+    assert folder_checksum(tmp_path) == before
+
+
+@pytest.mark.parametrize("command", ["evaluate", "adapt"])
+def test_a_report_or_a_run_never_replaces_a_model_another_command_wrote(tmp_path, model_dir, llama_dir, capsys,
+                                                                         command):
+    """--overwrite of evaluate (or adapt) replaces only an earlier output of its own: not a converted model (nor a
+    demo's folder) elsewhere, which its refusal without --overwrite does not offer either."""
+    converted = tmp_path / "converted"
+    assert main(["convert", str(llama_dir), str(converted), "--no-evaluate"]) == 0
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    write_marker(demo, "demo")
+    for out, what in [(converted, "holds a model"), (demo, "holds the output of diff-llama demo")]:
+        before = folder_checksum(out)
+        argv = [a.format(model=model_dir, out=out) for a in OVERWRITE_COMMANDS[command]]
+        err = _fails_in_one_line(capsys, [*argv, "--overwrite"])
+        assert what in err and f"{command} --overwrite never replaces" in err and "choose a new folder" in err, err
+        assert "--overwrite" not in _fails_in_one_line(capsys, argv)
+        assert folder_checksum(out) == before
+
+
 def test_every_file_the_model_folders_hold_is_one_overwrite_may_replace(tmp_path, model_dir):
     write_marker(model_dir, "demo")
     for name in REMOTE_CODE_FILES:

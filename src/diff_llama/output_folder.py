@@ -5,7 +5,10 @@ files is refused in one line naming the fix. `--overwrite` replaces a folder onl
 holds nothing else (`replace_refusal`): it carries a sign of ours (the `MARKER` file the commands write, a
 `conversion_report.json`, or a `config.json` of model_type diff_llama) and every entry in it is a name the project
 writes (`PROJECT_FILES`). A user's file dropped into such a folder would be lost, so it is refused too, and so are the
-working directory, any folder above it, the home folder and `/`, whatever they hold.
+working directory, any folder above it, the home folder and `/`, whatever they hold. Two more refusals protect what a
+run reads and what took long to make: no command replaces its own input or a folder that holds it (`input_refusal`),
+and a command that names itself (evaluate, ruler, demo, adapt) replaces only an earlier output of its own, never a
+converted or trained model that another command wrote (`other_commands_output`).
 
 A replacement is written into a hidden temporary folder beside the old one and swapped in only when complete
 (`AtomicOutputFolder`), so a run that fails leaves the old contents as they were. A killed run leaves that hidden
@@ -98,12 +101,41 @@ def _protected_place(path: Path) -> str | None:
     return "your home folder" if resolved == home else None
 
 
-def replace_refusal(path: str | os.PathLike) -> str | None:
-    """Why the folder `path` may not be replaced (one clause naming the fix), or None when it may."""
+def input_refusal(output: str | os.PathLike, inputs=()) -> str | None:
+    """Why `output` may not be written over, because of what the command reads: it is one of `inputs` (a model
+    folder, a GGUF file) or a folder that holds one. Inputs that are not local paths (Hub ids) are skipped."""
+    resolved_output = Path(output).resolve()
+    for each in inputs:
+        if each is None or not Path(each).exists():
+            continue
+        resolved = Path(each).resolve()
+        if resolved == resolved_output or resolved_output in resolved.parents:
+            what = "is this command's input" if resolved == resolved_output else f"holds this command's input ({each})"
+            return f"{output} {what}, which --overwrite never replaces; give a new folder for the output"
+    return None
+
+
+def other_commands_output(folder: Path, command: str) -> str | None:
+    """What `folder` holds when a command other than `command` wrote it ("a model written by diff-llama convert"),
+    or None when `command` wrote it (its marker) or nothing says who did."""
+    written_by = (read_marker(folder) or {}).get("command")
+    if written_by is not None:
+        return None if written_by == command else f"the output of diff-llama {written_by}"
+    if (folder / "config.json").is_file() or (folder / "conversion_report.json").is_file():
+        return "a model"
+    return None
+
+
+def replace_refusal(path: str | os.PathLike, inputs=(), command: str | None = None) -> str | None:
+    """Why the folder `path` may not be replaced (one clause naming the fix), or None when it may. `inputs`: what the
+    command reads; `command`: the command replacing it, when it may replace only its own earlier output."""
     path = Path(path)
     place = _protected_place(path)
     if place is not None:
         return f"{path} is {place}, which diff-llama never replaces; give a new folder for the output"
+    refusal = input_refusal(path, inputs)
+    if refusal is not None:
+        return refusal
     if not path.is_dir():
         return None
     foreign = foreign_entries(path)
@@ -111,30 +143,35 @@ def replace_refusal(path: str | os.PathLike) -> str | None:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         return (f"{path} holds files diff-llama did not write ({shown}), which --overwrite never replaces; choose a "
                 "new folder, or move them out")
+    other = other_commands_output(path, command) if command is not None else None
+    if other is not None:
+        return (f"{path} holds {other}, which {command} --overwrite never replaces (it replaces only an earlier "
+                f"{command} output); choose a new folder")
     return None
 
 
 def check_new_output(path: str | os.PathLike, fix: str = "choose a new folder", overwrite: bool = False, *,
-                     offers_overwrite: bool = True) -> None:
+                     offers_overwrite: bool = True, inputs=(), command: str | None = None) -> None:
     """Raise OutputExistsError (a FileExistsError; one line: what is there and how to go on) unless `path` is new,
-    an empty folder, or, with `overwrite`, a folder diff-llama may replace. Without it, `fix` is the advice, followed
-    by --overwrite for a command that `offers_overwrite` where --overwrite would be allowed."""
+    an empty folder, or, with `overwrite`, a folder diff-llama may replace (`replace_refusal`, given the command's
+    `inputs` and, for a command that replaces only its own outputs, its name). Without it, `fix` is the advice,
+    followed by --overwrite for a command that `offers_overwrite` where --overwrite would be allowed."""
     path = Path(path)
     if path.is_file():
         raise OutputExistsError(f"{path} is a file; give a folder name that does not exist yet.")
     if overwrite:
-        refusal = replace_refusal(path) if path.exists() else None
+        refusal = replace_refusal(path, inputs, command) if path.exists() else None
         if refusal is not None:
             raise OutputExistsError(f"--overwrite refused: {refusal}.")
     elif holds_files(path):
-        allowed = offers_overwrite and replace_refusal(path) is None
+        allowed = offers_overwrite and replace_refusal(path, inputs, command) is None
         raise OutputExistsError(f"{path} is not empty; {fix}{', or pass --overwrite to replace it' if allowed else ''}.")
 
 
-def clear_output(path: str | os.PathLike) -> None:
+def clear_output(path: str | os.PathLike, inputs=(), command: str | None = None) -> None:
     """Remove what an earlier run wrote into `path` (`--overwrite` of a command that must write in place), after
     checking again that it holds nothing else."""
-    check_new_output(path, overwrite=True)
+    check_new_output(path, overwrite=True, inputs=inputs, command=command)
     for entry in Path(path).iterdir():
         shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
@@ -153,12 +190,13 @@ def _remove_empty(folders: list[Path]) -> None:
 
 @contextlib.contextmanager
 def new_output_folder(path: str | os.PathLike, overwrite: bool = False, fix: str = "choose a new folder",
-                      command: str | None = None, **marker_details):
+                      command: str | None = None, inputs=(), **marker_details):
     """The folder to write `path`'s new contents into: `path` itself when it is new or empty; with `overwrite`, a
     temporary sibling that replaces `path` when the block ends without an error (and is removed when it fails).
-    With `command`, the folder gets the marker that lets a later `--overwrite` replace it."""
+    With `command`, the folder gets the marker that lets a later `--overwrite` of the same command replace it.
+    `inputs`: what the command reads, which it never replaces."""
     remove_stale_temporaries(path)
-    check_new_output(path, fix, overwrite)
+    check_new_output(path, fix, overwrite, inputs=inputs, command=command)
     if holds_files(path):
         with AtomicOutputFolder(path, overwrite=True) as temporary:
             if command is not None:
@@ -195,11 +233,12 @@ class AtomicOutputFolder:
     `offers_overwrite=False`: the command has no --overwrite, so the refusal of a folder with files does not offer it.
     """
 
-    def __init__(self, output: str | os.PathLike, overwrite: bool = False, *, offers_overwrite: bool = True):
+    def __init__(self, output: str | os.PathLike, overwrite: bool = False, *, offers_overwrite: bool = True,
+                 inputs=()):
         remove_stale_temporaries(output)  # first: it may put back an output that an interrupted swap moved aside
-        check_new_output(output, overwrite=overwrite, offers_overwrite=offers_overwrite)
+        check_new_output(output, overwrite=overwrite, offers_overwrite=offers_overwrite, inputs=inputs)
         if Path(output).exists():  # even an empty folder is replaced: never the working directory or a folder above
-            refusal = replace_refusal(output)
+            refusal = replace_refusal(output, inputs)
             if refusal is not None:
                 raise OutputExistsError(f"{refusal}.")
         self.output = Path(output).absolute()

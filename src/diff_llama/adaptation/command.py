@@ -12,22 +12,23 @@ from .settings import AdaptationOptions, check_options
 from .trainer import adapt
 
 
-def check_adapt_output(output: Path, options: AdaptationOptions, overwrite: bool = False) -> None:
+def check_adapt_output(output: Path, options: AdaptationOptions, overwrite: bool = False, inputs=()) -> None:
     """OUTPUT must be new or empty; or hold a run's checkpoints, with `resume`; or, with `overwrite`, be a folder of
-    an earlier run that holds nothing else. Each refusal names the fix that works for the folder as it is."""
+    an earlier adapt run that holds nothing else, and not the model it trains (`inputs`). Each refusal names the fix
+    that works for the folder as it is."""
     from ..output_folder import check_new_output, replace_refusal
 
     if options.resume and overwrite:
         raise UserError("give --resume (continue the run in OUTPUT) or --overwrite (start it over), not both.")
     checkpoints = output.is_dir() and any(output.glob("checkpoint-*"))
     if options.resume and not checkpoints:
-        replaceable = output.is_dir() and replace_refusal(output) is None
+        replaceable = output.is_dir() and replace_refusal(output, inputs, "adapt") is None
         start_over = ", or pass --overwrite to start over" if replaceable else ""
         raise InputNotFoundError(f"--resume: {output} holds no checkpoint-N folder to continue from (the run finished, "
                                  f"or saved none: --save-steps); choose a new folder{start_over}.")
     if not options.resume:
         check_new_output(output, "pass --resume to continue the run it holds, or choose a new folder" if checkpoints
-                         else "choose a new folder", overwrite)
+                         else "choose a new folder", overwrite, inputs=inputs, command="adapt")
 
 
 def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: str | None = None,
@@ -42,14 +43,14 @@ def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: st
     output = Path(output)
     main_process = int(os.environ.get("RANK", "0")) == 0
     if main_process:
-        check_adapt_output(output, options, overwrite)
+        check_adapt_output(output, options, overwrite, inputs=[model_name])
     check_options(options)
     model, tokenizer = load_model(model_name)
     release_gguf_quantizer(model)
     name = name or display_name(model_name)
     if main_process and not options.resume:
         if overwrite and output.is_dir():
-            clear_output(output)
+            clear_output(output, inputs=[model_name], command="adapt")
         output.mkdir(parents=True, exist_ok=True)
         write_marker(output, "adapt")  # a later --overwrite may replace the folder
     history = adapt(model, tokenizer, options, output, name=name)

@@ -87,7 +87,8 @@ def convert_llama_to_diff_llama(
     options = options or ConversionOptions()
     started = time.perf_counter()
     check_options(options)
-    target = AtomicOutputFolder(output, overwrite=overwrite)  # refuses an output it may not replace before any work
+    # Refuses an output it may not replace (the source itself, or a folder holding it, among them) before any work.
+    target = AtomicOutputFolder(output, overwrite=overwrite, inputs=[source])
 
     with each_gguf_parsed_once():  # a GGUF source: its config, weights, tokenizer and licence read from one parse
         src = open_source(source)

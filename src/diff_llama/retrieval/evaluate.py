@@ -148,7 +148,7 @@ def evaluate_models(models: list[str], options: RetrievalArguments, overwrite: b
               "cases.jsonl are kept, not scored again.", file=sys.stderr)
     report = {"options": asdict(options), "models": []}
     target = contextlib.nullcontext(output) if scored is not None else new_output_folder(
-        output, overwrite=overwrite, command="evaluate", run=run)
+        output, overwrite=overwrite, command="evaluate", inputs=models, run=run)
     with target as folder:
         progress_file = folder / "cases.jsonl"  # results so far: an interrupted run resumes from them
         scored = scored or []

@@ -181,7 +181,7 @@ def ruler_models(models: list[str], options: RulerOptions, overwrite: bool = Fal
               "kept, not scored again.", file=sys.stderr)
     command = "ruler-cases" if options.cases_only else "ruler"
     target = contextlib.nullcontext(output) if scored is not None else new_output_folder(
-        output, overwrite=overwrite, command=command, run=run)
+        output, overwrite=overwrite, command=command, inputs=[*models, options.cases_file], run=run)
     with target as folder:
         case_path = folder / "ruler_cases.json"
         contents = read_case_file(case_path) if case_path.exists() else _case_contents(models, options)
