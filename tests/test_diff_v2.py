@@ -9,10 +9,17 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import diff_llama.modeling_diff_llama as modeling
-from conftest import bytes_saved_for_backward, differential_model, prefill_then_decode, random_batch, tiny_config
+from conftest import (
+    bytes_saved_for_backward,
+    differential_model,
+    grouped_attention_inputs,
+    prefill_then_decode,
+    random_batch,
+    tiny_config,
+)
 from diff_llama import DiffLlamaConfig, DiffLlamaForCausalLM
 from diff_llama.differential_kernels import folded_gqa_sdpa_attention_forward
-from reference import checkpoint_state_dict, reference_forward, softmax_maps
+from reference import checkpoint_state_dict, grouped_query_attention, reference_forward
 
 
 # Also run on the oldest supported transformers (scripts/run_oldest_transformers_tests.sh).
@@ -99,29 +106,6 @@ def test_bf16_training_keeps_about_what_a_llama_with_its_query_heads_keeps():
 FOLD_LAYOUTS = [(6, 3), (8, 1), (18, 3), (12, 2)]  # odd G, G = 1, SmolLM2's converted layout, even G
 
 
-def attention_inputs(heads, kv_heads, query_len, dtype, batch=3, key_len=11, head_dim=8):
-    """Queries, cached keys and values, and transformers' SDPA mask (batch, 1, q, k) for a left-padded batch: row 1
-    has 4 padded keys, row 2 one; the queries are the last `query_len` positions, causal among themselves."""
-    generator = torch.Generator().manual_seed(heads * 100 + kv_heads * 10 + query_len)
-    query = torch.randn(batch, heads, query_len, head_dim, generator=generator, dtype=torch.float64)
-    key, value = (torch.randn(batch, kv_heads, key_len, head_dim, generator=generator, dtype=torch.float64)
-                  for _ in range(2))
-    real = torch.ones(batch, key_len, dtype=torch.bool)
-    real[1, :4] = real[2, :1] = False
-    causal = torch.arange(key_len)[None, :] <= torch.arange(key_len - query_len, key_len)[:, None]
-    mask = (real[:, None, :] & causal[None])[:, None]
-    return query.to(dtype), key.to(dtype), value.to(dtype), mask
-
-
-def reference_attention(query, key, value, mask) -> torch.Tensor:
-    """(batch, q, H, d) in float64 from the equations: query head h reads key/value head h // (H/G)."""
-    heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[-1]
-    query, key, value = query.double(), key.double(), value.double()
-    return torch.stack([torch.stack([
-        softmax_maps(query[b, h], key[b, h * kv_heads // heads], mask[b, 0], head_dim) @ value[b, h * kv_heads // heads]
-        for h in range(heads)], dim=1) for b in range(query.shape[0])])
-
-
 class HeadCount:
     """Sees every op's output; `repeated` is set when one holds keys or values for all H query heads."""
 
@@ -150,20 +134,20 @@ def test_folded_sdpa_matches_the_float64_reference_and_transformers_sdpa(heads, 
     transformers' own SDPA's to the dtype's rounding."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    query, key, value, mask = attention_inputs(heads, kv_heads, query_len, dtype)
+    query, key, value, mask = grouped_attention_inputs(heads, kv_heads, query_len, dtype)
     module = modeling.DiffLlamaV2Attention(tiny_config(diff_version=2, num_attention_heads=heads,
                                                        num_key_value_heads=kv_heads), layer_idx=0)
     output, weights = folded_gqa_sdpa_attention_forward(module, query, key, value, mask, scaling=module.scaling)
     stock, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=module.scaling)
     assert weights is None and output.is_contiguous() and output.shape == stock.shape == (3, query_len, heads, 8)
     atol = 1e-6 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(output.double(), reference_attention(query, key, value, mask), rtol=0, atol=atol)
+    torch.testing.assert_close(output.double(), grouped_query_attention(query, key, value, mask), rtol=0, atol=atol)
     torch.testing.assert_close(output, stock)  # the dtype's default tolerance: bf16 rounding for bf16
 
 
 @pytest.mark.parametrize("heads,kv_heads", FOLD_LAYOUTS)
 def test_folded_sdpa_decodes_without_repeating_keys_or_values(heads, kv_heads):
-    query, key, value, mask = attention_inputs(heads, kv_heads, 1, torch.float32)
+    query, key, value, mask = grouped_attention_inputs(heads, kv_heads, 1, torch.float32)
     counter = HeadCount(heads, key.shape[2])
     with counter.mode:
         folded_gqa_sdpa_attention_forward(None, query, key, value, mask, scaling=0.5)
