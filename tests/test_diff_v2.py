@@ -126,15 +126,15 @@ class HeadCount:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("query_len", [1, 3])
+@pytest.mark.parametrize("query_len,causal", [(1, True), (3, False), (3, True)])
 @pytest.mark.parametrize("heads,kv_heads", FOLD_LAYOUTS)
-def test_folded_sdpa_matches_the_float64_reference_and_transformers_sdpa(heads, kv_heads, query_len, dtype):
-    """One decoding token folds; three query rows (their causal mask differs per row) go to transformers' function.
-    Either way: transformers' layout (batch, q, H, d), contiguous, no weights, the reference's values, and
-    transformers' own SDPA's to the dtype's rounding."""
+def test_folded_sdpa_matches_the_float64_reference_and_transformers_sdpa(heads, kv_heads, query_len, causal, dtype):
+    """One decoding token folds, and so do three queries under one shared mask row; three causal rows (a mask row
+    each) go to transformers' function. Either way: transformers' layout (batch, q, H, d), contiguous, no weights, the
+    reference's values, and transformers' own SDPA's to the dtype's rounding."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    query, key, value, mask = grouped_attention_inputs(heads, kv_heads, query_len, dtype)
+    query, key, value, mask = grouped_attention_inputs(heads, kv_heads, query_len, dtype, causal=causal)
     module = modeling.DiffLlamaV2Attention(tiny_config(diff_version=2, num_attention_heads=heads,
                                                        num_key_value_heads=kv_heads), layer_idx=0)
     output, weights = folded_gqa_sdpa_attention_forward(module, query, key, value, mask, scaling=module.scaling)

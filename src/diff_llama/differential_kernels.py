@@ -680,8 +680,9 @@ def folded_gqa_sdpa_attention_forward(
 
 
 def _mask_is_shared_by_every_row(attention_mask: torch.Tensor | None) -> bool:
-    """A mask of transformers' layout (batch, 1, q, k) with one query row: decoding one token. (Without a mask,
-    transformers' function uses SDPA's own GQA and copies nothing.)"""
+    """A mask of transformers' layout (batch, 1, q, k) with one row for every query: decoding one token (or
+    several queries that see the same keys). (Without a mask, transformers' function uses SDPA's own GQA and copies
+    nothing.)"""
     return attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1:3] == (1, 1)
 
 
@@ -692,7 +693,7 @@ class GroupedQueryAttentionInterface(AttentionInterface):
 
     def __init__(self):
         super().__init__()
-        self._local_mapping["sdpa"] = folded_gqa_sdpa_attention_forward
+        self["sdpa"] = folded_gqa_sdpa_attention_forward
 
     def __getitem__(self, key):
         if key in self._local_mapping:
