@@ -95,6 +95,25 @@ def random_batch(seed=1, batch=3, length=9, vocab=128):
     return input_ids, attention_mask
 
 
+def grouped_attention_inputs(heads, kv_heads, query_len, dtype, batch=3, key_len=11, head_dim=8, device="cpu",
+                             causal=True):
+    """An attention call's inputs after the cache: queries (batch, H, q, d), keys and values (batch, G, k, d), and
+    transformers' SDPA mask of a left-padded batch (row 1 has 4 padded keys, row 2 one): (batch, 1, q, k) with the
+    queries the last `query_len` positions, causal among themselves; or, not `causal`, one row (batch, 1, 1, k) that
+    every query shares. Drawn in float64, then cast."""
+    generator = torch.Generator().manual_seed(heads * 100 + kv_heads * 10 + query_len)
+    query = torch.randn(batch, heads, query_len, head_dim, generator=generator, dtype=torch.float64)
+    key, value = (torch.randn(batch, kv_heads, key_len, head_dim, generator=generator, dtype=torch.float64)
+                  for _ in range(2))
+    real = torch.ones(batch, key_len, dtype=torch.bool)
+    real[1, :4] = real[2, :1] = False
+    if causal:
+        mask = real[:, None, None, :] & (torch.arange(key_len) <= torch.arange(key_len - query_len, key_len)[:, None])
+    else:
+        mask = real[:, None, None, :]
+    return (*(tensor.to(device, dtype) for tensor in (query, key, value)), mask.to(device))
+
+
 def padded_labels(input_ids, attention_mask):
     """Labels with no loss on padded positions or on the outputs of padded query rows: a fully masked row has no
     defined output, and transformers' backends differ there (eager averages every value, SDPA does not)."""

@@ -136,3 +136,16 @@ def reference_forward(config, state_dict, input_ids, attention_mask=None, return
         maps.append(row_maps)
     logits = torch.stack(all_logits)
     return (logits, maps) if return_maps else logits
+
+
+def grouped_query_attention(query, key, value, allowed):
+    """One attention call as DIFF V2 makes it, before the pairs are subtracted: query (B, H, q, d), keys and values
+    (B, G, k, d), `allowed` (B, 1, q, k) bool -> (B, q, H, d) in float64; query head h reads key/value head
+    h // (H/G), as `v2_attention` does."""
+    batch, heads, _, d = query.shape
+    n_rep = heads // key.shape[1]
+    query, key, value = query.double(), key.double(), value.double()
+    return torch.stack([
+        torch.stack([softmax_maps(query[b, h], key[b, h // n_rep], allowed[b, 0], d) @ value[b, h // n_rep]
+                     for h in range(heads)], dim=1)
+        for b in range(batch)])

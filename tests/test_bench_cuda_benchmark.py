@@ -52,8 +52,8 @@ def test_the_dry_run_measures_every_figure_of_every_model_and_ends_with_the_tabl
     assert set(rows) == {*EAGER_ROWS, *GRAPH_ROWS, "train peak memory (GiB)"}
     # Columns: llama, llama 2x heads, diff-llama v2, diff-llama, diff-llama paired, then the four ratios to llama.
     for row in (*EAGER_ROWS, *GRAPH_ROWS):
-        # CUDA graphs: not the 2x heads probe; the paired training kernel: the train step only.
-        measured = [0, 2, 3] if row in GRAPH_ROWS else [0, 1, 2, 3] + [4] * (row == "train step (ms)")
+        # The paired training kernel: the train step only.
+        measured = [0, 1, 2, 3] + [4] * (row == "train step (ms)")
         assert [index for index, cell in enumerate(rows[row][:5]) if cell.endswith("n=2)")] == measured, row
         assert all(cell.endswith("x") or cell.endswith("unreadable") for cell in
                    (rows[row][5 + index - 1] for index in measured if index)), row
@@ -77,7 +77,7 @@ def test_the_dry_runs_json_has_the_suites_metadata_and_one_compilation_per_compi
         record = figures[key]
         assert record["errors"] == {} and record["left_out"] == []
         # Each model's step compiles once, in its first sample's warm-up, and never again.
-        assert record["graphs_compiled"] == {name: [1, 0] for name in ("llama", "diff-llama v2", "diff-llama")}
+        assert record["graphs_compiled"] == {name: [1, 0] for name in cuda_benchmark.COMPILE_ORDER}
     # The markdown is the JSON's: rendered again, it is the same file.
     before = (out / "cuda.md").read_text()
     suite.render_file(out / "cuda.json", echo=False)
@@ -109,7 +109,8 @@ def test_the_budget_leaves_out_what_would_not_fit_and_writes_what_was_measured(t
     assert figures["graphs b1"]["samples"] == {} and figures["graphs b1"]["left_out"] == list(plan.graph_models)
     table = (tmp_path / "budget.md").read_text()
     assert "| tiny | decode b1 eager (tokens/s) |" in table and "graphs (tokens/s)" not in table
-    assert "tiny, graphs b1: left out for the time budget: llama, diff-llama v2, diff-llama." in table
+    assert ("tiny, graphs b1: left out for the time budget: llama, diff-llama v2, llama 2x heads, diff-llama."
+            in table)
     # No time at all: nothing starts, and the file still says what was left out.
     cuda_benchmark.run(cuda_benchmark.Plan.dry_run("cpu", figures=("prefill",), max_seconds=0), tmp_path, "none")
     record = json.loads((tmp_path / "none.json").read_text())["shapes"]["tiny"]["figures"]["prefill"]
@@ -177,3 +178,20 @@ def test_the_memory_probe_measures_each_paired_kernel_on_its_own_device_and_rend
               "memory": {"llama": {"after_forward": 2**20, "peak": 4 * 2**20},
                          "diff v2": {"after_forward": 2 * 2**20, "peak": 6 * 2**20}}}
     assert "| diff v2 | 2.00 | 2.000x | 2.00 | 6.00 | 1.500x |" in saved_for_backward.render(result)
+
+
+def test_eager_decoding_stops_at_its_rounds_and_the_graphs_targets_give_the_bound(tmp_path):
+    """Eager decoding takes `eager_rounds` samples while the graphs figures take every round; the graphs targets read
+    DIFF V2 against llama beside its bound, llama 2x heads."""
+    plan = cuda_benchmark.Plan.dry_run("cpu", figures=("eager", "graphs"), batches=(1,), rounds=3, eager_rounds=2)
+    cuda_benchmark.run(plan, tmp_path, "capped")
+    figures = json.loads((tmp_path / "capped.json").read_text())["shapes"]["tiny"]["figures"]
+    beyond_training = set(cuda_benchmark.MODELS) - set(cuda_benchmark.TRAIN_ONLY_MODELS)
+    assert {name: len(samples) for name, samples in figures["eager b1"]["samples"].items()} == dict.fromkeys(
+        beyond_training, 2)
+    assert {name: len(samples) for name, samples in figures["graphs b1"]["samples"].items()} == dict.fromkeys(
+        cuda_benchmark.COMPILE_ORDER, 3)
+    table = (tmp_path / "capped.md").read_text()
+    assert "4 greedy steps timed" in table  # the dry run times as many eager steps as compiled ones
+    (target,) = [line for line in table.splitlines() if line.startswith("- tiny, decode b1 graphs (tokens/s): DIFF V2")]
+    assert "target ≥ 0.95x" in target and "(its bound, llama 2x heads: " in target

@@ -5,6 +5,9 @@ as one CUDA graph (bench/cuda_benchmark.py times it on a GPU).
 The backend is `aot_eager`: graph breaks and recompilations are decided by dynamo, before any backend runs, and
 aot_eager still functionalises the in-place cache updates as inductor does, without inductor's minutes of C++
 compilation on a small CPU.
+
+DIFF V2's graph also never holds the cached keys or values repeated to all query heads: under the static cache's mask,
+transformers' SDPA would copy them every step, and DIFF V2 has twice a LLaMA's query heads.
 """
 
 import pytest
@@ -41,6 +44,13 @@ def teacher_forced_logits(model, step, prompt, tokens) -> torch.Tensor:
     return torch.stack(logits, dim=1)
 
 
+def repeated_cache_nodes(graph, heads, cache_len) -> list:
+    """Nodes of a dynamo graph whose value holds `heads` heads of the whole cache: (batch, heads, cache_len, d)."""
+    return [node.name for node in graph.graph.nodes
+            if isinstance(value := node.meta.get("example_value"), torch.Tensor) and value.dim() == 4
+            and tuple(value.shape[1:3]) == (heads, cache_len)]
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_a_compiled_decoding_step_runs_24_steps_as_one_graph_with_the_eager_logits(version):
     model = differential_model(version, torch.float32, layers=2)
@@ -63,3 +73,7 @@ def test_a_compiled_decoding_step_runs_24_steps_as_one_graph_with_the_eager_logi
     assert backend.frame_count == 1, f"{backend.frame_count} compilations for {STEPS} steps: a recompilation"
     assert counters["stats"]["unique_graphs"] == 1
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+    if version == 2:  # (version 1 repeats odd G's key/value heads up to H on purpose: see DiffLlamaAttention)
+        heads, cache_len = model.config.num_attention_heads, PROMPT + STEPS
+        assert repeated_cache_nodes(backend.graphs[0], heads, cache_len) == []
+        assert repeated_cache_nodes(backend.graphs[0], model.config.num_key_value_heads, cache_len)  # guards the check

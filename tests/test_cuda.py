@@ -14,9 +14,13 @@ import pytest
 import torch
 
 import diff_llama.differential_kernels as modeling  # BLOCKED_KERNEL_ROWS is read there
-from conftest import differential_model, padded_labels, prefill_then_decode, random_batch
-from diff_llama.differential_kernels import ALL_DIFFERENTIAL_KERNELS, select_differential_kernel
-from reference import checkpoint_state_dict, reference_forward
+from conftest import differential_model, grouped_attention_inputs, padded_labels, prefill_then_decode, random_batch
+from diff_llama.differential_kernels import (
+    ALL_DIFFERENTIAL_KERNELS,
+    folded_gqa_sdpa_attention_forward,
+    select_differential_kernel,
+)
+from reference import checkpoint_state_dict, grouped_query_attention, reference_forward
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICE = "cuda"
@@ -221,3 +225,43 @@ def test_dispatch_on_cuda_takes_the_generic_path_except_for_decoding():
         assert select_differential_kernel(attention, query[:, :, :1], key, None).function is kernels["decode"].function
     assert select_differential_kernel(attention, query.requires_grad_(), key, None).function is (
         kernels["generic"].function)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", V2_LAYOUTS + [(16, 4)])
+def test_diff_v2_sdpa_folds_one_token_under_a_mask_as_the_reference_and_transformers_sdpa_say(heads, kv_heads, dtype):
+    """DIFF V2's SDPA with one query token under a left-padded batch's mask (the query heads of each key/value head
+    folded into its rows, nothing repeated) against the float64 equations and transformers' own SDPA (which repeats
+    the keys and values under a mask): equal to the dtype's rounding. (16, 4) is a Llama-3.2-1B conversion's group."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from diff_llama.modeling_diff_llama import DiffLlamaV2Attention
+
+    query, key, value, mask = grouped_attention_inputs(heads, kv_heads, 1, dtype, key_len=37, head_dim=HEAD_DIM,
+                                                       device=DEVICE)
+    module = DiffLlamaV2Attention(float64_model(2, heads, kv_heads, layers=1).config, layer_idx=0)
+    output, weights = folded_gqa_sdpa_attention_forward(module, query, key, value, mask, scaling=module.scaling)
+    stock, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=module.scaling)
+    assert weights is None and output.is_contiguous() and output.shape == (3, 1, heads, HEAD_DIM)
+    expected = grouped_query_attention(query.cpu(), key.cpu(), value.cpu(), mask.cpu())
+    atol = FP32_ATOL if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(output.cpu().double(), expected, rtol=0, atol=atol)
+    torch.testing.assert_close(output, stock)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("heads,kv_heads", V2_LAYOUTS)
+def test_diff_v2_decoding_under_a_mask_matches_the_reference_with_either_cache(heads, kv_heads, cache):
+    """fp32 DIFF V2 decoding a left-padded batch token by token on SDPA (every step under a mask, so through the
+    folded path), with a dynamic or a static cache, against the float64 reference."""
+    from transformers import DynamicCache, StaticCache
+
+    model = float64_model(2, heads, kv_heads)
+    input_ids, attention_mask = random_batch()
+    expected = reference_forward(model.config, checkpoint_state_dict(model), input_ids, attention_mask)
+    model = on_cuda(model, torch.float32, "sdpa")
+    cache = (DynamicCache(config=model.config) if cache == "dynamic"
+             else StaticCache(config=model.config, max_cache_len=input_ids.shape[1]))
+    logits = prefill_then_decode(model, input_ids.to(DEVICE), attention_mask.to(DEVICE), cache=cache).cpu().double()
+    real = attention_mask.bool()
+    torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=FP32_ATOL)

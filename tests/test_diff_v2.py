@@ -1,5 +1,5 @@
 """What only DIFF V2 (`diff_version=2`) has: its layout rules, parameter shapes and checkpoint names, its per-token
-λ, and a save/load round trip through the Auto classes. Every property it shares with version 1 (the float64
+λ, a save/load round trip through the Auto classes, and its SDPA, which decodes without repeating keys and values. Every property it shares with version 1 (the float64
 reference, FlexAttention, caches and left padding, compiled generation, half precision, gradient checkpointing, LoRA)
 is tested once for both versions, parametrised over `diff_version`, in test_reference.py, test_generation.py,
 test_training_and_loading.py and test_finetuning.py."""
@@ -8,8 +8,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import bytes_saved_for_backward, differential_model, random_batch, tiny_config
+import diff_llama.modeling_diff_llama as modeling
+from conftest import (
+    bytes_saved_for_backward,
+    differential_model,
+    grouped_attention_inputs,
+    prefill_then_decode,
+    random_batch,
+    tiny_config,
+)
 from diff_llama import DiffLlamaConfig, DiffLlamaForCausalLM
+from diff_llama.differential_kernels import folded_gqa_sdpa_attention_forward
+from reference import checkpoint_state_dict, grouped_query_attention, reference_forward
 
 
 # Also run on the oldest supported transformers (scripts/run_oldest_transformers_tests.sh).
@@ -89,3 +99,122 @@ def test_bf16_training_keeps_about_what_a_llama_with_its_query_heads_keeps():
     llama = bytes_saved_for_backward(LlamaForCausalLM(LlamaConfig(**shape)).to(torch.bfloat16))
     model = DiffLlamaForCausalLM(tiny_config(**shape, diff_version=2)).to(torch.bfloat16)
     assert bytes_saved_for_backward(model) <= 1.05 * llama  # 1.03x; 1.10x with a float32 copy of λ's input
+
+
+# DIFF V2's SDPA (`folded_gqa_sdpa_attention_forward`): under a mask that every query row shares (decoding one token),
+# the query heads of each key/value head are folded into its rows instead of repeating the cache to all H heads.
+FOLD_LAYOUTS = [(6, 3), (8, 1), (18, 3), (12, 2)]  # odd G, G = 1, SmolLM2's converted layout, even G
+
+
+class HeadCount:
+    """Sees every op's output; `repeated` is set when one holds keys or values for all H query heads."""
+
+    def __init__(self, heads, key_len):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.repeated, owner = False, self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                output = func(*args, **(kwargs or {}))
+                for tensor in torch.utils._pytree.tree_leaves(output):
+                    if isinstance(tensor, torch.Tensor) and tensor.dim() == 4 and tensor.shape[1:3] == (heads, key_len):
+                        owner.repeated = True
+                return output
+
+        self.mode = Mode()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("query_len,causal", [(1, True), (3, False), (3, True)])
+@pytest.mark.parametrize("heads,kv_heads", FOLD_LAYOUTS)
+def test_folded_sdpa_matches_the_float64_reference_and_transformers_sdpa(heads, kv_heads, query_len, causal, dtype):
+    """One decoding token folds, and so do three queries under one shared mask row; three causal rows (a mask row
+    each) go to transformers' function. Either way: transformers' layout (batch, q, H, d), contiguous, no weights, the
+    reference's values, and transformers' own SDPA's to the dtype's rounding."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    query, key, value, mask = grouped_attention_inputs(heads, kv_heads, query_len, dtype, causal=causal)
+    module = modeling.DiffLlamaV2Attention(tiny_config(diff_version=2, num_attention_heads=heads,
+                                                       num_key_value_heads=kv_heads), layer_idx=0)
+    output, weights = folded_gqa_sdpa_attention_forward(module, query, key, value, mask, scaling=module.scaling)
+    stock, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=module.scaling)
+    assert weights is None and output.is_contiguous() and output.shape == stock.shape == (3, query_len, heads, 8)
+    atol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(output.double(), grouped_query_attention(query, key, value, mask), rtol=0, atol=atol)
+    torch.testing.assert_close(output, stock)  # the dtype's default tolerance: bf16 rounding for bf16
+
+
+@pytest.mark.parametrize("heads,kv_heads", FOLD_LAYOUTS)
+def test_folded_sdpa_decodes_without_repeating_keys_or_values(heads, kv_heads):
+    query, key, value, mask = grouped_attention_inputs(heads, kv_heads, 1, torch.float32)
+    counter = HeadCount(heads, key.shape[2])
+    with counter.mode:
+        folded_gqa_sdpa_attention_forward(None, query, key, value, mask, scaling=0.5)
+    assert not counter.repeated
+    with counter.mode:  # guards the counter: repeated keys are seen
+        torch.repeat_interleave(key, heads // kv_heads, dim=1)
+    assert counter.repeated
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("heads,kv_heads", [(6, 3), (8, 1)])
+def test_decoding_with_either_cache_matches_the_reference_and_the_unfolded_path(heads, kv_heads, cache_kind,
+                                                                                monkeypatch):
+    """Left-padded prefill, then one token at a time (every step under a mask): float64 gives the reference's logits,
+    float32 too within its rounding, and bf16 the logits of the same model on transformers' own SDPA (which repeats
+    the keys and values where the installed transformers does)."""
+    from transformers import DynamicCache, StaticCache
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    model = differential_model(2, heads=heads, kv_heads=kv_heads)
+    model.set_attn_implementation("sdpa")
+    input_ids, attention_mask = random_batch()
+    expected = reference_forward(model.config, checkpoint_state_dict(model), input_ids, attention_mask)
+    real = attention_mask.bool()
+
+    def decode(model):
+        cache = (DynamicCache(config=model.config) if cache_kind == "dynamic"
+                 else StaticCache(config=model.config, max_cache_len=input_ids.shape[1]))
+        return prefill_then_decode(model, input_ids, attention_mask, cache=cache)[real]
+
+    torch.testing.assert_close(decode(model), expected[real], rtol=0, atol=1e-12)
+    torch.testing.assert_close(decode(model.float()).double(), expected[real], rtol=0, atol=1e-5)
+    folded = decode(model.bfloat16())
+    monkeypatch.setattr(modeling, "ALL_ATTENTION_FUNCTIONS", ALL_ATTENTION_FUNCTIONS)
+    torch.testing.assert_close(folded, decode(model))
+
+
+def test_the_attention_functions_defer_every_other_name_to_transformers_at_call_time(monkeypatch):
+    """DIFF V2 looks its attention function up in its own interface: "sdpa" folds, and every other name is
+    transformers' entry at call time, one registered after import (globally or on transformers' instance) too."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    calls = []
+
+    def user_attention(*args, **kwargs):
+        calls.append(args[0].layer_idx)
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "registered_later", user_attention)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, "on_the_instance", user_attention)
+    functions = modeling.ALL_ATTENTION_FUNCTIONS
+    assert functions.get_interface("sdpa", None) is folded_gqa_sdpa_attention_forward
+    for name in ("registered_later", "on_the_instance"):
+        assert functions.get_interface(name, None) is user_attention and name in functions
+    assert functions.get_interface("flex_attention", None) is ALL_ATTENTION_FUNCTIONS["flex_attention"]
+    assert functions.get_interface("eager", "default") == "default"  # as transformers': eager is the forward's default
+    assert set(functions) == set(ALL_ATTENTION_FUNCTIONS) and len(functions) == len(ALL_ATTENTION_FUNCTIONS)
+    with pytest.raises(KeyError, match="not_registered"):
+        functions.get_interface("not_registered", None)
+
+    # The model reaches it (unpadded: transformers builds masks only for the backends it knows).
+    model = differential_model(2, heads=6, kv_heads=3)
+    input_ids, _ = random_batch()
+    with torch.no_grad():
+        expected = model(input_ids).logits
+        model.set_attn_implementation("registered_later")
+        logits = model(input_ids).logits
+    assert calls == [0, 1, 2]
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-12)

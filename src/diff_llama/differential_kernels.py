@@ -1,11 +1,13 @@
 # Copyright 2026 The diff-llama authors. Licensed under the Apache License, Version 2.0.
-"""Differential attention kernels (version 1), their registry and the one place that picks them.
+"""Differential attention kernels (version 1), their registry and the one place that picks them; and DIFF V2's
+attention functions (`GroupedQueryAttentionInterface`: transformers' own, with an SDPA that decodes without repeating
+keys and values).
 
 A differential kernel maps the attention inputs after RoPE, the cache and the GQA expansion (query (batch, H, q, d);
 key/value (batch, G', k, d), G' even, each half of the query heads reading its own half of them) to the differential
 heads' outputs before the head norm, (batch, q, H/2, 2d) in λ's dtype, and the softmax maps when it has them. Every
 kernel computes the same function; they differ in what they cost where. DIFF V2 runs one ordinary attention call (any
-backend) and needs no differential kernel.
+backend) and needs no differential kernel; its SDPA is `folded_gqa_sdpa_attention_forward`.
 
 Imports only torch and transformers: it ships next to the modeling file as remote code.
 """
@@ -17,7 +19,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers.models.llama.modeling_llama import repeat_kv
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
@@ -637,3 +640,68 @@ def select_differential_kernel(module, query, key, attention_mask) -> Differenti
         if kernel.supports(module, query, key, attention_mask):
             return kernel
     return ALL_DIFFERENTIAL_KERNELS.get_kernel("generic")
+
+
+def folded_gqa_sdpa_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' `sdpa_attention_forward`, without repeating keys and values under a mask that every query row
+    shares (one decoding token): the query heads of each key/value head are folded into the rows,
+    (batch, H, q, d) -> (batch, G, H/G·q, d), so SDPA reads the G cached heads as they are. Other calls go to
+    transformers' function unchanged.
+
+    Why: with a mask, transformers repeats the keys and values to all H query heads (SDPA's `enable_gqa` would fall
+    back to its math kernel on CUDA), every decoding step, and a static cache always passes a mask. DIFF V2 has twice
+    a LLaMA's query heads over the same key/value heads, so it would copy twice a LLaMA's cache per step. Returns
+    what transformers' function returns: (batch, q, H, d), contiguous, and no weights.
+    """
+    if not _mask_is_shared_by_every_row(attention_mask) or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    batch, heads, query_len, _ = query.shape
+    kv_heads = key.shape[1]
+    # Query head h reads key/value head h // (H/G) (repeat_kv's order), so the heads of one key/value head are
+    # consecutive and fold into its rows; the shared mask row broadcasts over them without a copy.
+    rows = query.reshape(batch, kv_heads, heads // kv_heads * query_len, query.shape[-1])
+    # No is_causal: a mask is given (transformers' function passes False then too).
+    attn_output = nn.functional.scaled_dot_product_attention(
+        rows, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+    )
+    attn_output = attn_output.view(batch, heads, query_len, value.shape[-1]).transpose(1, 2)
+    return attn_output.contiguous(), None
+
+
+def _mask_is_shared_by_every_row(attention_mask: torch.Tensor | None) -> bool:
+    """A mask of transformers' layout (batch, 1, q, k) with one row for every query: decoding one token (or
+    several queries that see the same keys). (Without a mask, transformers' function uses SDPA's own GQA and copies
+    nothing.)"""
+    return attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1:3] == (1, 1)
+
+
+class GroupedQueryAttentionInterface(AttentionInterface):
+    """DIFF V2's attention functions, in the manner of a transformers model's local `AttentionInterface`: "sdpa" is
+    `folded_gqa_sdpa_attention_forward`; every other name (eager, flex, flash, vLLM's, one registered by a user) is
+    looked up in transformers' `ALL_ATTENTION_FUNCTIONS` at call time, so names registered later are found."""
+
+    def __init__(self):
+        super().__init__()
+        self["sdpa"] = folded_gqa_sdpa_attention_forward
+
+    def __getitem__(self, key):
+        if key in self._local_mapping:
+            return self._local_mapping[key]
+        return ALL_ATTENTION_FUNCTIONS[key]
+
+    def __iter__(self):
+        return iter({**dict.fromkeys(ALL_ATTENTION_FUNCTIONS), **self._local_mapping})
+
+    def __len__(self):
+        return len(ALL_ATTENTION_FUNCTIONS.keys() | self._local_mapping.keys())

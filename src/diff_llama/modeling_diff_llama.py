@@ -34,7 +34,6 @@ from transformers.modeling_layers import (
     GenericForTokenClassification,
 )
 from transformers.modeling_rope_utils import dynamic_rope_update
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -53,6 +52,7 @@ from .compat_diff_llama import accepts_either_cache_name, reachable_by_qualname,
 from .configuration_diff_llama import REMOTE_CODE_FILES, DiffLlamaConfig
 from .differential_kernels import (
     ALL_DIFFERENTIAL_KERNELS,
+    GroupedQueryAttentionInterface,
     _float32_or_wider,
     eager_attention_forward,
     select_differential_kernel,
@@ -64,6 +64,12 @@ from .lambda_diff_llama import (
     load_lambda_under_checkpoint_names,
 )
 from .tensor_parallel_diff_llama import select_heads
+
+
+# DIFF V2's attention functions: transformers' own, but its SDPA decodes without repeating the keys and values to all
+# query heads (`GroupedQueryAttentionInterface`). Named as transformers' global, as a transformers model names its
+# local interface: vLLM's Transformers backend finds the attention call by this name in the forward's source.
+ALL_ATTENTION_FUNCTIONS = GroupedQueryAttentionInterface()
 
 
 class DiffLlamaRMSNorm(LlamaRMSNorm):
@@ -260,7 +266,8 @@ class DiffLlamaV2Attention(DiffLlamaAttentionBase):
         self.differential_lambda = DiffLlamaV2Lambda(config.hidden_size, self.num_differential_heads)
 
     # Its own forward, not the base's `differential_heads` seam: vLLM's Transformers backend serves a module whose
-    # forward source makes the one attention-interface call itself (it reads the call and its `scaling=`).
+    # forward source makes the one attention-interface call itself (it reads the call and its `scaling=`, and finds it
+    # by the name ALL_ATTENTION_FUNCTIONS: this file's interface, which hands vLLM's name to transformers' own).
     @accepts_either_cache_name
     def forward(
         self,
