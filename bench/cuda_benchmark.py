@@ -20,7 +20,8 @@ Figures, in the order the first round measures them (what the time budget cuts i
 Decoding is timed per step, without `generate`: an untimed prefill of a 512-token prompt (`--prompt-tokens`), warm-up
 steps (they compile, and record the CUDA graph), then a fixed number of steps (64 with graphs, 16 eager), greedy argmax
 fed back. Every time is taken with CUDA events around the region, after its own warm-up (on the CPU: the host clock,
-same code).
+same code); a model's first eager sample also decodes its timed steps once untimed first, as launch-bound steps can
+run several times slower early in a process.
 
 Each round measures every figure of every model, models interleaved (A, B, C, D, then the next figure; the order
 turns by one each round). The table gives each figure's median over the rounds and its spread (largest / smallest
@@ -221,6 +222,7 @@ class Decoder:
         self.model, self.compiled, self.plan = model, compiled, plan
         self.step = decoding_step(model)
         self.cache = None
+        self.warmed_up = compiled  # a compiled step warms up as it compiles and records its graph
         if compiled:
             options = {"mode": plan.compile_mode} if plan.compile_mode else {}
             self.step = torch.compile(self.step, backend=plan.compile_backend, fullgraph=True, dynamic=False,
@@ -251,6 +253,11 @@ class Decoder:
 
         steps(self.plan.warmup_steps)
         timed = self.plan.decode_steps if self.compiled else self.plan.eager_decode_steps
+        if not self.warmed_up:
+            # A model's first eager sample runs the timed steps once untimed first: launch-bound steps can run several
+            # times slower early in a process, and one such sample makes a figure's spread unreadable.
+            steps(timed)
+            self.warmed_up = True
         seconds = elapsed_seconds(device, lambda: steps(timed))
         return prompt.shape[0] * timed / seconds
 

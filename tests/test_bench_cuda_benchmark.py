@@ -195,3 +195,22 @@ def test_eager_decoding_stops_at_its_rounds_and_the_graphs_targets_give_the_boun
     assert "4 greedy steps timed" in table  # the dry run times as many eager steps as compiled ones
     (target,) = [line for line in table.splitlines() if line.startswith("- tiny, decode b1 graphs (tokens/s): DIFF V2")]
     assert "target ≥ 0.95x" in target and "(its bound, llama 2x heads: " in target
+
+
+def test_a_models_first_eager_sample_decodes_its_timed_steps_once_untimed_first():
+    """One slow early sample made every eager ratio of a GPU run unreadable: the first eager sample of a model runs
+    its timed steps once before timing them; later samples and compiled steps do not."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    plan = cuda_benchmark.Plan.dry_run("cpu")
+    model = LlamaForCausalLM(LlamaConfig(**cuda_benchmark.SHAPES["tiny"])).eval()
+    calls = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    decoder = cuda_benchmark.Decoder(model, False, 1, plan)
+    prompt = torch.randint(0, 256, (1, plan.prompt_tokens))
+    first = [decoder.tokens_per_second(prompt, torch.device("cpu")), len(calls)]
+    decoder.tokens_per_second(prompt, torch.device("cpu"))
+    prefill = 1
+    assert first[1] == prefill + plan.warmup_steps + 2 * plan.eager_decode_steps and first[0] > 0
+    assert len(calls) - first[1] == prefill + plan.warmup_steps + plan.eager_decode_steps
