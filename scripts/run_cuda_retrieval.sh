@@ -111,10 +111,12 @@ if [ -z "$work" ]; then
 fi
 cd "$checkout"
 
+# What the run runs on, written beside it rather than before it: its Python start would take seconds of the budget.
 {
     bash "$checkout/scripts/describe_cuda_device.sh" "$python"
     echo "model: $model"
-} 2>&1 | tee "$out/device.txt"
+} > "$out/device.txt" 2>&1 &
+describing=$!
 
 # The run gets what is left, less a margin for its own last write; the hard limit behind it still leaves the report
 # it writes at its own time guard.
@@ -128,6 +130,8 @@ else
     status=${PIPESTATUS[0]}
 fi
 
+wait "$describing"
+cat "$out/device.txt"
 echo
 echo "==== summary: exit $status; $(( SECONDS - started )) s of $budget s; files in $out"
 if [ -f "$out/cuda-retrieval.md" ]; then
