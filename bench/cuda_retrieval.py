@@ -643,6 +643,13 @@ def cuda_device_count() -> int:
     return count.value
 
 
+def torch_sees_cuda() -> bool:
+    """torch's own answer, where the driver could not be asked directly (its import takes seconds)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="the source LLaMA (a .gguf file, a folder, smollm2)")
@@ -658,7 +665,7 @@ def main():
         sys.exit(score_share(args.score))
     if not args.output or not args.work:
         parser.error("--output and --work are needed")
-    device = "cuda" if cuda_device_count() else "cpu"
+    device = "cuda" if cuda_device_count() or torch_sees_cuda() else "cpu"
     model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model  # children run elsewhere
     changes = {"max_seconds": args.max_seconds}
     if args.workers:

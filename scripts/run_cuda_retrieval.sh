@@ -26,7 +26,7 @@
 #   --dry-run    the same steps with a tiny budget (2 training steps, 5 cases a model): on a 2-core CPU about 5
 #                minutes with SmolLM2, 1 to 2 with a tiny LLaMA (--model). Run it before spending GPU time.
 #   --budget S   wall-clock seconds for everything, the join included (default 300).
-#   --workers N  scoring processes per model (default 7; the dry run 1).
+#   --workers N  scoring processes per model (default 7; the dry run 1); each scores whichever model is behind.
 #   --work D     folder for the converted and trained models and the workers' files (default: a new folder in
 #                ${TMPDIR:-/tmp}, removed at the end).
 # The stash is ${DIFF_LLAMA_STASH:-/tmp/diff-llama-payload}.
