@@ -12,11 +12,15 @@ Steps, each a `diff-llama` command or the project's own scoring functions:
 2. The cases: the project's own (`retrieval.case_plan` and `make_case`, what `diff-llama evaluate` builds: the
    multi-needle settings 4x2 and 6x2 at 2K and 4K tokens, seed 7, never used before), and RULER's, built by lm-eval's
    RULER code on a CPU and saved in bench/cases/ (lm-eval is not needed here).
-3. As each trained model is saved, `--workers` processes score its share of the cases: each builds its own cases
-   with the model's tokenizer and scores them with `retrieval.run_case` (as `diff-llama evaluate` does), and the
-   RULER ones with `retrieval.ruler.run_ruler_case` (as `diff-llama ruler` does). A step of a 135M model on a GPU is
-   mostly kernel launches from Python, so processes, not batches, fill the GPU. The cases are shuffled with a fixed
-   seed before they are shared out, so a run cut short has scored a random subset of every cell.
+3. `--workers` scoring processes per model start with the run: while the models train, they import, and build the
+   own cases with the source's tokenizer (a share each, written to WORK/cases/ for all); a trained model uses them
+   when its tokenizer is the same (it is: `adapt` saves the source's), else builds its own. Each case is scored with
+   `retrieval.run_case` (as `diff-llama evaluate` does) or, for RULER's, `retrieval.ruler.run_ruler_case` (as
+   `diff-llama ruler` does). A step of a 135M model on a GPU is mostly kernel launches from Python, so processes, not
+   batches, fill the GPU. The cases are shuffled with a fixed seed, and every process takes the next case nobody
+   took, of whichever trained model has the fewer cases taken: the source's first, while DIFF V2 still trains, then
+   DIFF V2's until it caught up. So no process waits for the other model, and a run cut short has scored a random
+   subset of every cell, the same one for both models.
 4. The cases both models scored are paired; the exact McNemar test (`retrieval.paired_comparison`) per generator and
    pooled; NAME.json (with the suite's metadata) and NAME.md.
 
@@ -164,42 +168,170 @@ def select_ruler_cases(plan: Plan) -> dict:
     return {"about": {key: value for key, value in contents.items() if key != "cases"}, "cases": cases}
 
 
-def shared_out(keys: list[str], workers: int) -> list[list[str]]:
-    """The case keys, shuffled with a fixed seed, dealt to the workers: a run stopped early has a random subset."""
+def shuffled(keys: list[str]) -> list[str]:
+    """The case keys in the order every worker scores them (fixed seed): a run stopped early has a random subset of
+    every cell, and the same one for both models."""
     keys = list(keys)
     random.Random(0).shuffle(keys)
-    return [keys[index::workers] for index in range(workers)]
+    return keys
+
+
+def worker_names(workers: int) -> list[tuple[str, str]]:
+    """(name, home model) of each scoring process: `workers` per model."""
+    return [(f"score-{model}-{index}", model) for model in MODELS for index in range(workers)]
+
+
+def claim(work: Path, model: str, index: int) -> bool:
+    """Take case `index` of `model` for this worker, if no worker has (an exclusive create: one winner)."""
+    try:
+        os.close(os.open(work / "claims" / model / str(index), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def claimed(work: Path, model: str) -> int:
+    return len(os.listdir(work / "claims" / model))
+
+
+def model_state(work: Path, model: str) -> str | None:
+    """"ok" once the run saved the trained model, "failed" if it never will, None while its training runs."""
+    path = work / f"ready-{model}"
+    return path.read_text() if path.exists() else None
+
+
+def tokenizer_identity(tokenizer) -> tuple:
+    """What decides the token ids of a case: the tokenizer's own definition, its chat template and special tokens."""
+    return (type(tokenizer).__name__, tokenizer.backend_tokenizer.to_str(), tokenizer.chat_template,
+            sorted(tokenizer.special_tokens_map.items()))
+
+
+class Worker:
+    """A scoring process. It starts with the run: while the models train it builds its share of the own cases with
+    the source's tokenizer (written to WORK/cases/ for every worker), then scores case after case, the model whose
+    cases are least advanced first (its home model on a tie), so that both models go through the cases in the same
+    order and neither waits for the other's training."""
+
+    def __init__(self, spec: dict):
+        from diff_llama.options import RetrievalArguments
+        from diff_llama.retrieval import case_plan
+        from diff_llama.retrieval.ruler_cases import read_case_file
+
+        self.spec, self.work = spec, Path(spec["work"])
+        self.keys = spec["keys"]
+        self.own = {case["seed"]: case for case in case_plan(RetrievalArguments(**spec["own_options"]))}
+        self.ruler = {case["id"]: case for case in read_case_file(spec["ruler_file"])["cases"]}
+        self.models, self.prebuilt, self.read, self.cursor = {}, {}, set(), {model: 0 for model in MODELS}
+
+    def build_share(self):
+        """Build this worker's share of the own cases with the source's tokenizer and write them for every worker;
+        a trained model uses them only if its tokenizer is the same (`tokenizer_identity`)."""
+        from diff_llama.resolve import load_tokenizer
+        from diff_llama.retrieval import make_case
+
+        self.source_tokenizer = load_tokenizer(self.spec["source"])
+        cases = {key: dataclasses.asdict(make_case(self.source_tokenizer, **self.own[key.partition("/")[2]]))
+                 for key in self.spec["build"]}
+        folder = self.work / "cases"
+        partial = folder / f".{self.spec['name']}.json"
+        partial.write_text(json.dumps(cases))
+        os.replace(partial, folder / f"{self.spec['name']}.json")  # whole or absent for the readers
+
+    def load(self, name: str):
+        """The trained model `name` (loaded once), and whether the prebuilt own cases are its own."""
+        if name not in self.models:
+            from diff_llama.resolve import load_model
+
+            model, tokenizer = load_model(str(self.work / f"adapted-{name}"), self.spec["dtype"], self.spec["device"])
+            same = tokenizer_identity(tokenizer) == tokenizer_identity(self.source_tokenizer)
+            if same and self.spec["build"]:  # and, to be sure, one case built both ways
+                from diff_llama.retrieval import make_case
+
+                key = self.spec["build"][0]
+                again = make_case(tokenizer, **self.own[key.partition("/")[2]])
+                same = self.own_case(key, tokenizer, True) == again
+            self.models[name] = (model, tokenizer, same)
+        return self.models[name]
+
+    def own_case(self, key: str, tokenizer, same: bool):
+        """An own case as `evaluate` builds it with `tokenizer`: prebuilt when the tokenizer is the source's."""
+        from diff_llama.retrieval import make_case
+        from diff_llama.retrieval.cases import NeedleCase
+
+        if same and key not in self.prebuilt:  # read the shares written since the last look
+            for file in sorted(set((self.work / "cases").glob("score-*.json")) - self.read):
+                self.prebuilt.update(json.loads(file.read_text()))
+                self.read.add(file)
+        if same and key in self.prebuilt:
+            return NeedleCase(**self.prebuilt[key])
+        return make_case(tokenizer, **self.own[key.partition("/")[2]])
+
+    def next_case(self) -> tuple[str, int] | None:
+        """(model, case index) claimed for this worker; None once every case of every model is taken or cannot be."""
+        while True:
+            waiting, open_models = False, []
+            for name in MODELS:
+                state = model_state(self.work, name)
+                waiting = waiting or state is None
+                if state == "ok" and self.cursor[name] < len(self.keys):
+                    open_models.append(name)
+            open_models.sort(key=lambda name: (claimed(self.work, name), name != self.spec["home"]))
+            for name in open_models:
+                while self.cursor[name] < len(self.keys):
+                    index = self.cursor[name]
+                    self.cursor[name] += 1
+                    if claim(self.work, name, index):
+                        return name, index
+            if not waiting:
+                return None
+            time.sleep(0.2)
+
+    def score(self, name: str, key: str) -> dict:
+        from diff_llama.retrieval import run_case
+        from diff_llama.retrieval.evaluate import case_fields
+        from diff_llama.retrieval.ruler import run_ruler_case
+
+        model, tokenizer, same = self.load(name)
+        generator, _, ident = key.partition("/")
+        started = time.perf_counter()
+        if generator == "own":
+            case = self.own_case(key, tokenizer, same)
+            built = time.perf_counter()
+            result = {**case_fields(case), **run_case(model, tokenizer, case)}
+        else:
+            built = started
+            result = run_ruler_case(model, tokenizer, self.ruler[ident])
+        # Where a case's time goes: building it, and its answer's length (a decoding step a token).
+        result.update(seconds=round(time.perf_counter() - started, 3), build_seconds=round(built - started, 3),
+                      worker=self.spec["name"], done_at=round(time.time() - self.spec["run_started"], 1),
+                      answer_tokens=len(tokenizer(result["output"], add_special_tokens=False).input_ids))
+        return {"key": key, "generator": generator, **result}
+
+    def run(self) -> int:
+        import torch
+
+        self.build_share()
+        torch.empty(0, device=self.spec["device"])  # the device's context, made while the models train
+        files = {}
+        try:
+            while (taken := self.next_case()) is not None:
+                name, index = taken
+                if name not in files:
+                    files[name] = open(self.work / f"results-{name}-{self.spec['name']}.jsonl", "a")
+                files[name].write(json.dumps(self.score(name, self.keys[index])) + "\n")
+                files[name].flush()
+        finally:
+            for handle in files.values():
+                handle.close()
+        return 0
 
 
 def score_share(spec_file: str) -> int:
-    """A worker: load one trained model, score the cases its spec names, append each result to its file."""
+    """A worker (see `Worker`), from the spec the run wrote for it."""
     import torch
 
-    from diff_llama.options import RetrievalArguments
-    from diff_llama.resolve import load_model
-    from diff_llama.retrieval import case_plan, make_case, run_case
-    from diff_llama.retrieval.evaluate import case_fields
-    from diff_llama.retrieval.ruler import run_ruler_case
-    from diff_llama.retrieval.ruler_cases import read_case_file
-
-    spec = json.loads(Path(spec_file).read_text())
     torch.set_num_threads(1)  # the GPU does the work; a core per worker
-    model, tokenizer = load_model(spec["model"], spec["dtype"], spec["device"])
-    own = {case["seed"]: case for case in case_plan(RetrievalArguments(**spec["own_options"]))}
-    ruler = {case["id"]: case for case in read_case_file(spec["ruler_file"])["cases"]}
-    with open(spec["results"], "a") as results:
-        for key in spec["keys"]:
-            generator, _, ident = key.partition("/")
-            started = time.perf_counter()
-            if generator == "own":  # built here, as `evaluate` builds it: with this model's tokenizer
-                case = make_case(tokenizer, **own[ident])
-                result = {**case_fields(case), **run_case(model, tokenizer, case)}
-            else:
-                result = run_ruler_case(model, tokenizer, ruler[ident])
-            result["seconds"] = round(time.perf_counter() - started, 3)
-            results.write(json.dumps({"key": key, "generator": generator, **result}) + "\n")
-            results.flush()
-    return 0
+    return Worker(json.loads(Path(spec_file).read_text())).run()
 
 
 def read_results(files) -> dict:
@@ -309,60 +441,75 @@ class Run:
     def finished(self, name: str) -> bool:
         return name in self.jobs and self.jobs[name].poll() is not None
 
-    def start_workers(self, model: str, shares: list, spec: dict):
-        for index, keys in enumerate(shares):
-            spec_file = self.work / f"score-{model}-{index}.json"
-            spec_file.write_text(json.dumps({**spec, "model": str(self.work / f"adapted-{model}"), "keys": keys,
-                                             "results": str(self.work / f"results-{model}-{index}.jsonl")}))
-            self.start(f"score-{model}-{index}", [sys.executable, "-m", "bench", "cuda_retrieval", "--score",
-                                                  spec_file])
+    def start_workers(self, keys: list, spec: dict):
+        """Every scoring process at once: they build the own cases and load what they need while the models train."""
+        for model in MODELS:
+            (self.work / "claims" / model).mkdir(parents=True, exist_ok=True)
+        (self.work / "cases").mkdir(exist_ok=True)
+        names = worker_names(self.plan.workers)
+        own_keys = [key for key in keys if key.startswith("own/")]
+        for index, (name, home) in enumerate(names):
+            spec_file = self.work / f"{name}.json"
+            spec_file.write_text(json.dumps({**spec, "name": name, "home": home, "keys": keys, "work": str(self.work),
+                                             "build": own_keys[index::len(names)]}))
+            self.start(name, [sys.executable, "-m", "bench", "cuda_retrieval", "--score", spec_file])
 
     def execute(self) -> dict:
-        from diff_llama.retrieval import case_plan
-
         plan, work = self.plan, self.work
         self.start("convert", cli("convert", self.model, work / "v2", "--diff-version", 2, "--no-evaluate"))
         self.start("adapt-source", adapt_command(plan, self.model, work / "adapted-source", LABELS["source"]))
+        from diff_llama.retrieval import case_plan  # after the first steps started: it imports torch
+
         options = own_options(plan)
         own, ruler = case_plan(options), select_ruler_cases(plan)
         keys = [f"own/{case['seed']}" for case in own] + [f"ruler/{case['id']}" for case in ruler["cases"]]
-        shares = shared_out(keys, plan.workers)
         spec = {"device": plan.device, "dtype": plan.dtype, "own_options": dataclasses.asdict(options),
-                "ruler_file": plan.ruler_file}
+                "ruler_file": plan.ruler_file, "source": self.model,
+                "run_started": time.time() - (time.monotonic() - self.started)}  # the run's clock, for done_at
         try:
-            self.guard(shares, spec)
+            self.guard(lambda: self.start_workers(shuffled(keys), spec))
         finally:  # an error here (or Ctrl-C) leaves no process behind
             for job in self.jobs.values():
                 job.stop()
         results = {model: read_results(self.work.glob(f"results-{model}-*.jsonl")) for model in MODELS}
         return self.report(own, ruler, keys, results)
 
-    def guard(self, shares: list, spec: dict):
-        """Start each step once what it needs is there, and stop what still runs when its time is up."""
+    def announce(self, model: str, state: str):
+        """Tell the workers whether a trained model is there to score ("ok") or never will be ("failed")."""
+        path = self.work / f"ready-{model}"
+        if not path.exists():
+            (self.work / f".ready-{model}").write_text(state)
+            os.replace(self.work / f".ready-{model}", path)  # whole or absent for the workers
+
+    def guard(self, start_workers):
+        """Start each step once what it needs is there, tell the workers which models they can score, and stop what
+        still runs when its time is up. The workers start as the conversion ends: long before the first training
+        does, and without taking the conversion's CPU on a small machine."""
         plan, work = self.plan, self.work
-        pending = {"source", "v2"}  # models whose workers have not started
         training_end = plan.training_stop * plan.max_seconds if plan.max_seconds else None
         while True:
-            idle = all(job.poll() is not None for job in self.jobs.values())
-            elapsed, started = time.monotonic() - self.started, False
+            elapsed = time.monotonic() - self.started
             in_time = self.left() >= plan.report_seconds
-            if (in_time and (training_end is None or elapsed < training_end) and "adapt-v2" not in self.jobs
-                    and self.jobs["convert"].poll() == 0):
-                self.start("adapt-v2", adapt_command(plan, work / "v2", work / "adapted-v2", LABELS["v2"]))
-                started = True
-            for model in sorted(pending):
-                if in_time and self.finished(f"adapt-{model}") and self.jobs[f"adapt-{model}"].poll() == 0:
-                    pending.discard(model)
-                    self.start_workers(model, shares, spec)
-                    started = True
-            if idle and not started:
+            if in_time and self.jobs["convert"].poll() is not None and not any(
+                    name.startswith("score-") for name in self.jobs):
+                start_workers()
+            if "adapt-v2" not in self.jobs and self.jobs["convert"].poll() is not None:
+                if (in_time and (training_end is None or elapsed < training_end)
+                        and self.jobs["convert"].poll() == 0):
+                    self.start("adapt-v2", adapt_command(plan, work / "v2", work / "adapted-v2", LABELS["v2"]))
+                else:
+                    self.announce("v2", "failed")
+            for model in MODELS:
+                if self.finished(f"adapt-{model}"):
+                    self.announce(model, "ok" if self.jobs[f"adapt-{model}"].poll() == 0 else "failed")
+            if all(job.poll() is not None for job in self.jobs.values()):  # after what this round started
                 break
             if training_end is not None and elapsed > training_end:
                 for name in ("convert", "adapt-source", "adapt-v2"):
                     if name in self.jobs and self.jobs[name].poll() is None:
                         print(f"[{elapsed:6.1f} s] time guard: stopping {name}", flush=True)
                         self.jobs[name].stop()
-            if not in_time and not idle:
+            if not in_time:
                 print(f"[{elapsed:6.1f} s] time guard: stopping what still runs", flush=True)
                 for job in self.jobs.values():
                     job.stop()
@@ -372,7 +519,7 @@ class Run:
         plan = self.plan
         seconds = [r["seconds"] for model in MODELS for r in results[model].values()]
         paired = [key for key in keys if all(key in results[model] for model in MODELS)]
-        # Each model's worker built its cases with its own tokenizer: the pairs must have been the same prompts.
+        # Each model's cases came from its own tokenizer (or the same one): the pairs must have been the same prompts.
         mismatched = [key for key in paired if any(results["source"][key][field] != results["v2"][key][field]
                                                    for field in ("prompt_tokens", "expected"))]
         return {"plan": dataclasses.asdict(plan), "model": self.model, "device": plan.device,
@@ -391,9 +538,19 @@ class Run:
                 "median_case_seconds": {model: statistics.median([r["seconds"] for r in results[model].values()])
                                         if results[model] else None for model in MODELS},
                 "scored": {model: len(results[model]) for model in MODELS},
+                "seconds_per_answer_token": {model: seconds_per_answer_token(results[model].values())
+                                             for model in MODELS},
                 "results": {model: [results[model][key] for key in keys if key in results[model]]
                             for model in MODELS},
                 "seconds": round(time.monotonic() - self.started, 1), "case_seconds_total": round(sum(seconds), 1)}
+
+
+def seconds_per_answer_token(results) -> float | None:
+    """A case's scoring time (without building it) over its answer's tokens and the one that ended it, in all: about
+    a decoding step's time, the prefill included."""
+    timed = [r for r in results if "answer_tokens" in r]
+    steps = sum(r["answer_tokens"] + 1 for r in timed)
+    return round(sum(r["seconds"] - r["build_seconds"] for r in timed) / steps, 4) if steps else None
 
 
 def write_logs(work: Path, output: Path):
@@ -460,12 +617,37 @@ def render(result: dict) -> str:
               f"Scored: {result['scored']['source']} and {result['scored']['v2']} cases; median seconds a case: "
               + ", ".join(f"{LABELS[m]} {s:.2f}" if s is not None else f"{LABELS[m]} –"
                           for m, s in result["median_case_seconds"].items())
+              + "".join(f"; seconds an answer token (decoding step): " + ", ".join(
+                  f"{LABELS[m]} {s:.3f}" if s is not None else f"{LABELS[m]} –" for m, s in per_token.items())
+                  for per_token in [result.get("seconds_per_answer_token")] if per_token)
               + f"; run {result['seconds']:.0f} s of {plan['max_seconds'] or '∞'} s.", ""]
     if notes:
         lines += ["Not the declared test:", *[f"- {note}" for note in notes]]
     else:
         lines.append("The run is complete as declared: the readings above are the declared test's.")
     return "\n".join(lines) + "\n"
+
+
+def cuda_device_count() -> int:
+    """CUDA devices the driver sees, asked without importing torch (seconds on a GPU machine, which the steps would
+    wait for): what torch.cuda.is_available() asks the driver."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
+def torch_sees_cuda() -> bool:
+    """torch's own answer, where the driver could not be asked directly (its import takes seconds)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def main():
@@ -483,9 +665,7 @@ def main():
         sys.exit(score_share(args.score))
     if not args.output or not args.work:
         parser.error("--output and --work are needed")
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if cuda_device_count() or torch_sees_cuda() else "cpu"
     model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model  # children run elsewhere
     changes = {"max_seconds": args.max_seconds}
     if args.workers:

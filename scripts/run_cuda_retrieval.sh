@@ -26,7 +26,7 @@
 #   --dry-run    the same steps with a tiny budget (2 training steps, 5 cases a model): on a 2-core CPU about 5
 #                minutes with SmolLM2, 1 to 2 with a tiny LLaMA (--model). Run it before spending GPU time.
 #   --budget S   wall-clock seconds for everything, the join included (default 300).
-#   --workers N  scoring processes per model (default 7; the dry run 1).
+#   --workers N  scoring processes per model (default 7; the dry run 1); each scores whichever model is behind.
 #   --work D     folder for the converted and trained models and the workers' files (default: a new folder in
 #                ${TMPDIR:-/tmp}, removed at the end).
 # The stash is ${DIFF_LLAMA_STASH:-/tmp/diff-llama-payload}.
@@ -111,10 +111,12 @@ if [ -z "$work" ]; then
 fi
 cd "$checkout"
 
+# What the run runs on, written beside it rather than before it: its Python start would take seconds of the budget.
 {
     bash "$checkout/scripts/describe_cuda_device.sh" "$python"
     echo "model: $model"
-} 2>&1 | tee "$out/device.txt"
+} > "$out/device.txt" 2>&1 &
+describing=$!
 
 # The run gets what is left, less a margin for its own last write; the hard limit behind it still leaves the report
 # it writes at its own time guard.
@@ -128,6 +130,8 @@ else
     status=${PIPESTATUS[0]}
 fi
 
+wait "$describing"
+cat "$out/device.txt"
 echo
 echo "==== summary: exit $status; $(( SECONDS - started )) s of $budget s; files in $out"
 if [ -f "$out/cuda-retrieval.md" ]; then

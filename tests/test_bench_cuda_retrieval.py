@@ -121,7 +121,7 @@ def test_pairs_are_the_cases_both_models_finished(dry_run):
     on what they both scored."""
     _, _, work, _ = dry_run
     files = {name: sorted(work.glob(f"results-{name}-*.jsonl")) for name in cuda_retrieval.MODELS}
-    lines = files["v2"][0].read_text().splitlines(keepends=True)
+    lines = [line for file in files["v2"] for line in file.read_text().splitlines(keepends=True)]
     cut = work / "cut.jsonl"
     cut.write_text("".join(lines[:3]) + lines[3][: len(lines[3]) // 2])
     results = {"source": cuda_retrieval.read_results(files["source"]), "v2": cuda_retrieval.read_results([cut])}
@@ -129,6 +129,32 @@ def test_pairs_are_the_cases_both_models_finished(dry_run):
     comparison = cuda_retrieval.compare(results, sorted(keys))
     assert comparison["pooled"]["cases"] == 3 == len(results["v2"])
     assert comparison["own"]["cases"] + comparison["ruler"]["cases"] == 3
+
+
+def test_each_case_is_scored_once_per_model_and_own_cases_are_built_once(dry_run):
+    """The workers share the cases out by claiming them: no case twice for a model. The own cases were built while
+    the models trained, with the source's tokenizer, and a model uses them only when its tokenizer is that one."""
+    from diff_llama.resolve import load_tokenizer
+    from diff_llama.retrieval import make_case
+
+    _, _, work, _ = dry_run
+    for name in cuda_retrieval.MODELS:
+        keys = [json.loads(line)["key"] for file in work.glob(f"results-{name}-*.jsonl")
+                for line in file.read_text().splitlines()]
+        assert len(keys) == len(set(keys)) == 5
+    spec = json.loads((work / "score-v2-0.json").read_text())
+    key = next(key for key in spec["keys"] if key.startswith("own/"))
+    worker = cuda_retrieval.Worker(spec)
+    worker.source_tokenizer = load_tokenizer(spec["source"])
+    model, tokenizer, same = worker.load("v2")
+    arguments = worker.own[key.partition("/")[2]]
+    assert same and worker.own_case(key, tokenizer, same) == make_case(tokenizer, **arguments)
+    assert key in worker.prebuilt  # read from a share, not built again
+    other = cuda_retrieval.Worker(spec)
+    other.source_tokenizer = load_tokenizer(spec["source"])
+    other.source_tokenizer.chat_template = "{{ messages[0]['content'] }}"
+    assert other.load("v2")[2] is False
+    assert other.own_case(key, tokenizer, False) == make_case(tokenizer, **arguments) and not other.prebuilt
 
 
 @pytest.mark.parametrize("steps_done", [0, 1])

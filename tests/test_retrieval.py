@@ -192,6 +192,27 @@ def test_run_case_generates_what_generate_does(tokenizer):
     assert result["correct"] == all(result["found"])
 
 
+@pytest.mark.parametrize("kind", ["llama", "diff_llama"])
+def test_lookahead_decoding_gives_the_same_answers_and_stops(tokenizer, kind):
+    """Queuing each step before the previous token is read back (as on a GPU) changes no answer, whichever way the
+    answer stops: at the token limit, at an end-of-sequence token, or once `answered` says so."""
+    from diff_llama.retrieval.scoring import greedy_answer
+
+    model = tiny_llama(len(tokenizer), seed=3) if kind == "llama" else tiny_model(vocab_size=len(tokenizer))
+    case = make_case(tokenizer, 200, 0.5, 2, 1, seed="look")
+    plain = greedy_answer(model, tokenizer, case.input_ids, 8, lookahead=False)[0]
+    assert len(tokenizer(plain, add_special_tokens=False).input_ids) >= 4  # stopped by the limit, not at once
+    stops = {"limit": (8, None), "answered": (8, lambda text: len(text) >= len(plain) // 2), "one token": (1, None)}
+    for name, (limit, answered) in stops.items():
+        expected = greedy_answer(model, tokenizer, case.input_ids, limit, answered, lookahead=False)[0]
+        assert greedy_answer(model, tokenizer, case.input_ids, limit, answered, lookahead=True)[0] == expected, name
+    tokens = model.generate(torch.tensor([case.input_ids]), max_new_tokens=8, do_sample=False,
+                            attention_mask=torch.ones(1, len(case.input_ids), dtype=torch.long))[0, -8:].tolist()
+    model.generation_config.eos_token_id = next(t for i, t in enumerate(tokens) if i and t not in tokens[:i])
+    expected = greedy_answer(model, tokenizer, case.input_ids, 8, lookahead=False)[0]  # ends before that token
+    assert greedy_answer(model, tokenizer, case.input_ids, 8, lookahead=True)[0] == expected != plain
+
+
 def test_effective_maps_dispatch(tokenizer):
     model = tiny_model(vocab_size=len(tokenizer))
     model.set_attn_implementation("eager")

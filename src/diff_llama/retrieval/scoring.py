@@ -98,15 +98,19 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 @torch.no_grad()
 def greedy_answer(model, tokenizer, input_ids: list[int], max_new_tokens: int, answered=None,
-                  categories: list[int] | None = None) -> tuple[str, dict | None]:
+                  categories: list[int] | None = None, lookahead: bool | None = None) -> tuple[str, dict | None]:
     """The greedy continuation of `input_ids` (with a cache), stopped at an end-of-sequence token, after
     `max_new_tokens`, or once `answered(text so far)` is true; and, given the `categories` of the prompt's tokens, the
-    attention allocation of the position that generates the first answer token."""
+    attention allocation of the position that generates the first answer token.
+
+    `lookahead` (default: on an accelerator) queues each step before the previous token is read back, so that the
+    host prepares the next step while the device computes; the same steps run on the same inputs, so the answer is
+    the same, at the price of one step computed after the last."""
     ids = torch.tensor([input_ids], device=model.device)
     backend = model.config._attn_implementation
     past = None
-    if ids.shape[1] > 1:
-        past = output_cache(model(input_ids=ids[:, :-1], use_cache=True))
+    if ids.shape[1] > 1:  # only the cache is used: no logits over the whole prompt
+        past = output_cache(model(input_ids=ids[:, :-1], use_cache=True, logits_to_keep=1))
     shares = None
     if categories is not None:
         _set_attention(model, "eager")
@@ -119,18 +123,22 @@ def greedy_answer(model, tokenizer, input_ids: list[int], max_new_tokens: int, a
             _set_attention(model, backend)
     else:
         out = model(input_ids=ids[:, -1:], **cache_kwargs(past), use_cache=True)
+    if lookahead is None:
+        lookahead = model.device.type != "cpu"
     stop = _eos_ids(model, tokenizer)
     generated = []
     for step in range(max_new_tokens):
-        token = int(out.logits[0, -1].argmax())
+        next_ids = out.logits[:, -1:].argmax(-1)  # (1, 1), on the model's device
+        if lookahead and step + 1 < max_new_tokens:
+            out = model(input_ids=next_ids, **cache_kwargs(output_cache(out)), use_cache=True)
+        token = int(next_ids)  # waits for the device (under lookahead, while the next step is queued)
         if token in stop:
             break
         generated.append(token)
         if answered is not None and answered(tokenizer.decode(generated, skip_special_tokens=True)):
             break
-        if step + 1 < max_new_tokens:
-            out = model(input_ids=torch.tensor([[token]], device=model.device), **cache_kwargs(output_cache(out)),
-                        use_cache=True)
+        if not lookahead and step + 1 < max_new_tokens:
+            out = model(input_ids=next_ids, **cache_kwargs(output_cache(out)), use_cache=True)
     return tokenizer.decode(generated, skip_special_tokens=True), shares
 
 
