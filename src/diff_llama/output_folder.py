@@ -116,8 +116,8 @@ def input_refusal(output: str | os.PathLike, inputs=()) -> str | None:
 
 
 def other_commands_output(folder: Path, command: str) -> str | None:
-    """What `folder` holds when a command other than `command` wrote it ("a model written by diff-llama convert"),
-    or None when `command` wrote it (its marker) or nothing says who did."""
+    """What `folder` holds when a command other than `command` wrote it ("the output of diff-llama demo" from its
+    marker, or "a model" from a model's files), or None when `command` wrote it or nothing says who did."""
     written_by = (read_marker(folder) or {}).get("command")
     if written_by is not None:
         return None if written_by == command else f"the output of diff-llama {written_by}"
