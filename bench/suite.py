@@ -30,6 +30,8 @@ BENCHMARKS = {
     "attention_core": "the attention core alone on CPU: each way of forming differential heads against Llama's SDPA",
     "conversion_quality": "held-out perplexity and KL of each version 1 conversion option on SmolLM2, before training",
     "convert_benchmark": "conversion time and peak memory on a synthetic 2 GB sharded LLaMA, against copying it",
+    "cuda_memory_prediction": "a CUDA training step's peak memory predicted on the CPU (meta device, SDPA as on CUDA), "
+                              "beside a GPU run's measurement (issue 40)",
     "cuda_benchmark": "training step, prefill and decoding speed and memory on a CUDA GPU, LLaMA against both versions",
     "cuda_retrieval": "SmolLM2 and its DIFF V2 conversion trained alike, then paired on two case generators, on a "
                       "CUDA GPU in five minutes (issue 40 §5)",

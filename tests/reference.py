@@ -36,7 +36,8 @@ def lambda_init(layer):
 
 def layer_lambda(sd, prefix, layer):
     g = lambda name: sd[f"{prefix}.self_attn.lambda_{name}"].double()
-    return math.exp(g("q1") @ g("k1")) - math.exp(g("q2") @ g("k2")) + lambda_init(layer)
+    lam = torch.exp(g("q1") @ g("k1")) - torch.exp(g("q2") @ g("k2")) + lambda_init(layer)
+    return lam if lam.requires_grad else lam.item()  # a tensor only where a test differentiates the reference
 
 
 def softmax_maps(q, k, allowed, d):
@@ -90,12 +91,14 @@ def v2_attention(sd, p, layer, x_normed, qs, ks, vs, allowed, d, eps):
 
 def reference_forward(config, state_dict, input_ids, attention_mask=None, return_maps=False):
     """Logits (B, T, V) in float64 for a DiffLlamaForCausalLM state dict (either `diff_version`); optionally the
-    per-layer maps and λ (see `v1_attention` and `v2_attention`).
+    per-layer maps and λ (see `v1_attention` and `v2_attention`). Differentiable in the weights that require grad.
 
     Padding follows transformers' conventions: a padded key is never attended to; positions count from 0 at the
     first real token of each row (left padding), as `generate` does.
     """
-    sd = {k: v.detach().double() for k, v in state_dict.items()}
+    # Weights that require grad (a test's leaves) stay in the graph: the reference's gradients are then autograd's
+    # through these equations.
+    sd = {k: (v if v.requires_grad else v.detach()).double() for k, v in state_dict.items()}
     H, G = config.num_attention_heads, config.num_key_value_heads
     d = config.head_dim
     eps = config.rms_norm_eps

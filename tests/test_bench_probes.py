@@ -38,3 +38,44 @@ def test_the_fold_probe_computes_diff_v2_and_counts_fewer_ops():
         with torch.no_grad():
             torch.testing.assert_close(model(ids).logits, shipped_logits, rtol=1e-5, atol=1e-5)
         assert sum(step_ops(model, 1).values()) < shipped_ops
+
+
+def test_storage_counter_counts_each_storage_once_while_it_lives():
+    import torch
+
+    from cuda_memory_prediction import StorageCounter
+
+    counter = StorageCounter()
+    with counter:
+        first = torch.empty(1000, device="meta")  # 4,000 bytes: 4,096 as the allocator rounds it
+        view = first[10:]  # a view: no new storage
+        second = torch.ones(256, device="meta", dtype=torch.bfloat16)  # 512 bytes
+        del first
+        assert counter.current == 4096 + 512  # the view keeps the storage alive
+        del view
+        assert counter.current == 512 and counter.peak == 4096 + 512
+    assert second.numel() == 256
+
+
+def test_cuda_memory_prediction_runs_every_model_on_the_tiny_shape():
+    from cuda_benchmark import SHAPES
+    from cuda_memory_prediction import MODELS, predict_train_peak
+
+    predicted = {model: predict_train_peak(model, SHAPES["tiny"], 64) for model in MODELS}
+    assert all(value > 0 for value in predicted.values())
+    assert predicted["diff-llama"] > predicted["llama"]
+
+
+def test_cuda_memory_prediction_reproduces_the_h200_measurement():
+    """The prediction's check against a GPU: the models whose training code has not changed since the H200 run of
+    2026-11-27 (version 1's has) within 1% of its measured train peak memory, at both shapes."""
+    from cuda_benchmark import SHAPES
+    from cuda_memory_prediction import measured_figures, predict_train_peak
+    from suite import RESULTS
+
+    measured = measured_figures(RESULTS / "cuda-h200.json")
+    assert measured["commit"] == "17ec6ec"
+    for shape in ("llama-3.2-1b", "smollm2-135m"):
+        for model in ("llama", "llama 2x heads", "diff-llama v2"):
+            predicted = predict_train_peak(model, SHAPES[shape], 4096)
+            assert abs(predicted / measured["medians"][shape][model] - 1) < 0.01, (shape, model, predicted)

@@ -127,11 +127,14 @@ def cuda_flash_ops_on_the_cpu():
     """PyTorch's CUDA FlashAttention entry points (`_scaled_dot_product_flash_attention` and its backward), emulated
     with its CPU flash ops: the same maths and (batch, heads, seq, d) layout, dummies for the extra outputs only the
     CUDA op has. A stand-in for the unreachable GPU, so that `CausalPairedAttentionCUDA`'s own work (padding, the
-    head repeat, the gradients summed back) is checked here; tests/test_cuda.py runs the real op. Like FlashAttention
-    here, the stand-in takes as many key/value heads as query heads."""
+    pairs, the gradients of the d-wide tensors) is checked here; tests/test_cuda.py runs the real op. Like
+    FlashAttention, the stand-in takes grouped key/value heads (each serving a group of query heads)."""
+
+    key_heads = []  # what each call was handed: the kernel must not copy keys and values out to every query head
 
     def forward(query, key, value, dropout_p, is_causal, return_debug_mask, *, scale=None):
-        assert key.shape[1] == value.shape[1] == query.shape[1] and not return_debug_mask
+        assert key.shape[1] == value.shape[1] and query.shape[1] % key.shape[1] == 0 and not return_debug_mask
+        key_heads.append(key.shape[1])
         output, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, dropout_p, is_causal, scale=scale)
         empty = query.new_empty(0)
@@ -139,13 +142,14 @@ def cuda_flash_ops_on_the_cpu():
 
     def backward(grad_output, query, key, value, output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
                  is_causal, philox_seed, philox_offset, *, scale=None):
-        assert key.shape[1] == query.shape[1] and (max_q, max_k) == (query.shape[2], key.shape[2])
+        assert query.shape[1] % key.shape[1] == 0 and (max_q, max_k) == (query.shape[2], key.shape[2])
+        key_heads.append(key.shape[1])
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_output, query, key, value, output, logsumexp, dropout_p, is_causal, scale=scale)
 
     with mock.patch.object(torch.ops.aten, "_scaled_dot_product_flash_attention", forward), \
             mock.patch.object(torch.ops.aten, "_scaled_dot_product_flash_attention_backward", backward):
-        yield
+        yield key_heads
 
 
 @pytest.mark.parametrize("heads,kv_heads", LAYOUTS)
@@ -154,7 +158,7 @@ def test_paired_cuda_kernel_matches_reference_forward_and_gradients(heads, kv_he
     v and λ are the float64 reference's (the flash op emulated on the CPU: `cuda_flash_ops_on_the_cpu`)."""
     query, key, value, lam = kernel_inputs(heads, kv_heads, 13, 13)
     allowed = torch.ones(13, 13, dtype=torch.bool).tril()[None].expand(2, -1, -1)
-    with cuda_flash_ops_on_the_cpu():
+    with cuda_flash_ops_on_the_cpu() as key_heads:
         output, weights = ALL_DIFFERENTIAL_KERNELS["paired_sdpa_cuda"](mock.Mock(scaling=8**-0.5), query, key,
                                                                       value, None, lam)
         pairs = kernels.CausalPairedAttentionCUDA.apply(query, key, value, 8**-0.5)
@@ -166,8 +170,10 @@ def test_paired_cuda_kernel_matches_reference_forward_and_gradients(heads, kv_he
     want = torch.autograd.grad((expected * weights).sum(), (query, key, value, lam))
     for name, a, b in zip("qkvλ", got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=name)
-    # What backward keeps of q, k and v is the d-wide tensors themselves, not the 2d-wide padded copies.
+    # What backward keeps of q, k and v is the d-wide tensors themselves, not the 2d-wide padded copies; and the flash
+    # op gets the grouped key/value heads as they are (both forwards above, one backward).
     assert [tensor.shape for tensor in pairs.grad_fn.saved_tensors[:3]] == [query.shape, key.shape, value.shape]
+    assert key_heads == [key.shape[1]] * 3
 
 
 def test_paired_cuda_kernel_is_chosen_only_where_flash_attention_runs():
@@ -428,3 +434,63 @@ def test_head_norm_is_rms_norm():
     (norm(zero) * weights).sum().backward()
     (torch.nn.functional.rms_norm(reference, (16,), eps=1e-6) * weights).sum().backward()
     torch.testing.assert_close(zero.grad, reference.grad, rtol=1e-12, atol=0)
+
+
+def training_gradients(model, input_ids, weights):
+    model.train().zero_grad(set_to_none=True)
+    (model(input_ids).logits * weights).sum().backward()
+    return {name: param.grad.clone() for name, param in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kernel", ["generic", "paired_sdpa_cpu"])
+@pytest.mark.parametrize("heads,kv_heads", [(6, 3), (8, 1), (2, 1), (8, 4)])
+def test_training_recomputes_the_pair_difference_and_gives_the_reference_gradients(kernel, heads, kv_heads):
+    """Issue 40 §4 (version 1 training memory): the head norm's backward recomputes its float32 input from A1·V and
+    A2·V (kept by the attention kernel anyway) instead of keeping it; every gradient, λ included, is the float64
+    reference's."""
+    model = tiny_model(torch.float64, num_attention_heads=heads, num_key_value_heads=kv_heads)
+    randomise_lambdas(model)
+    model.set_differential_kernel(kernel)
+    input_ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(2))
+    weights = torch.randn(2, 11, model.config.vocab_size, generator=torch.Generator().manual_seed(4),
+                          dtype=torch.float64)
+    with mock.patch.object(kernels.NormOfPairDifference, "apply", wraps=kernels.NormOfPairDifference.apply) as spy:
+        got = training_gradients(model, input_ids, weights)
+    assert spy.call_count == model.config.num_hidden_layers
+    state = {name: tensor.detach().clone().requires_grad_() for name, tensor in checkpoint_state_dict(model).items()}
+    (reference_forward(model.config, state, input_ids) * weights).sum().backward()
+    names = {param.data_ptr(): name for name, param in model.named_parameters()}
+    compared = 0
+    for checkpoint_name, tensor in checkpoint_state_dict(model).items():
+        name = names.get(tensor.data_ptr())
+        if name is not None and tensor.shape == got[name].shape:
+            torch.testing.assert_close(got[name], state[checkpoint_name].grad, rtol=1e-9, atol=1e-11, msg=name)
+            compared += 1
+    assert compared == len(got)  # every parameter, the λ vectors too
+
+
+@pytest.mark.parametrize("kernel", ["generic", "paired_sdpa_cpu"])
+def test_recomputing_the_pair_difference_changes_no_bf16_gradient_and_keeps_no_float32_difference(kernel):
+    """The recomputation runs the forward's own ops again: bf16 gradients equal, bit for bit, those of autograd
+    keeping the float32 difference, and no float32 tensor of the difference's shape is kept."""
+    model = tiny_model(torch.bfloat16, num_attention_heads=8, num_key_value_heads=2)
+    randomise_lambdas(model)
+    model.set_differential_kernel(kernel)
+    input_ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    weights = torch.randn(2, 16, model.config.vocab_size, generator=torch.Generator().manual_seed(4))
+    recomputed = training_gradients(model, input_ids, weights)
+    with mock.patch.object(kernels, "_pair_difference", kernels._pair_difference_value):
+        kept = training_gradients(model, input_ids, weights)
+    for name, grad in kept.items():
+        assert torch.equal(recomputed[name], grad), name
+
+    difference_shape = (2, 16, 4, 2 * model.config.head_dim)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
+        model.train().model(input_ids)
+    assert (torch.float32, difference_shape) not in saved
+    with mock.patch.object(kernels, "_pair_difference", kernels._pair_difference_value), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t,
+                                                     lambda t: t):
+        model.train().model(input_ids)
+    assert (torch.float32, difference_shape) in saved  # what the check above would catch

@@ -18,6 +18,7 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
@@ -128,12 +129,15 @@ _EMPTY_SCALARS: dict = {}
 
 def _pad_to_pairs(query, key, value):
     """The one-call layout of the prefill path: queries and keys with d zero channels; for every key/value head, the
-    value pair [v(first half), v(second half)] of the differential heads it serves."""
+    value pair [v(first half), v(second half)] of the differential heads it serves. The padded queries and keys lie in
+    memory as (batch, seq, heads, 2d), as the projections lay out q and k: a fused kernel's output then follows that
+    layout, and transformers' transpose of it to (batch, seq, heads, 2d) copies nothing (the copy would be a 2d-wide
+    tensor that training keeps, since λ's gradient reads A2·V)."""
     head_dim = query.shape[-1]
     value_pairs = torch.cat(value.chunk(2, dim=1), dim=-1)
     return (
-        nn.functional.pad(query, (0, head_dim)),
-        nn.functional.pad(key, (0, head_dim)),
+        nn.functional.pad(query.transpose(1, 2), (0, head_dim)).transpose(1, 2),
+        nn.functional.pad(key.transpose(1, 2), (0, head_dim)).transpose(1, 2),
         torch.cat([value_pairs, value_pairs], dim=1),
     )
 
@@ -146,38 +150,6 @@ def _has_cpu_flash_attention() -> bool:
     )
 
 
-def _unpadded_gradients(grad_query, grad_key, grad_value, head_dim):
-    """Gradients on `_pad_to_pairs`' layout -> those of the d-wide query, key and value it was built from."""
-    grad_pairs = sum(grad_value.chunk(2, dim=1))  # both halves of the heads read the same value pairs
-    grad_value = torch.cat(grad_pairs.split(head_dim, dim=-1), dim=1)
-    return grad_query[..., :head_dim], grad_key[..., :head_dim], grad_value
-
-
-class CausalPairedAttentionCPU(torch.autograd.Function):
-    """Training on CPU, causal, no padding mask: the fused SDPA kernel on the padded layout of `_pad_to_pairs`, but
-    saving for backward only the d-wide query, key and value (and the output), not their padded copies. The padded
-    layout is rebuilt in backward, which costs three concatenations. Output: (batch, H, seq, 2d)."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, scaling):
-        output, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            *_pad_to_pairs(query, key, value), 0.0, True, scale=scaling
-        )
-        ctx.save_for_backward(query, key, value, output, logsumexp)
-        ctx.scaling = scaling
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        query, key, value, output, logsumexp = ctx.saved_tensors
-        head_dim = query.shape[-1]
-        grad_query, grad_key, grad_value = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_output.contiguous(), *_pad_to_pairs(query, key, value), output, logsumexp, 0.0, True,
-            scale=ctx.scaling,
-        )
-        return (*_unpadded_gradients(grad_query, grad_key, grad_value, head_dim), None)
-
-
 def _has_cuda_flash_attention() -> bool:
     """The private aten ops of `CausalPairedAttentionCUDA` (PyTorch's FlashAttention-2 entry points, present since
     torch 2.2); checked before use, as the CPU ones."""
@@ -186,42 +158,91 @@ def _has_cuda_flash_attention() -> bool:
     )
 
 
-class CausalPairedAttentionCUDA(torch.autograd.Function):
-    """`CausalPairedAttentionCPU` on CUDA: FlashAttention on the padded layout, saving for backward only the d-wide
-    query, key and value (and the output and its row statistics), not their padded copies. The padded keys and values
-    are repeated to every query head for each call (the layout PyTorch's own SDPA hands this op) and not kept; their
-    gradients are summed back over each group. Output: (batch, H, seq, 2d)."""
+class _CPUFlash:
+    """The CPU flash kernel's private entry points: (output, tensors backward needs, other values backward needs)."""
+
+    @staticmethod
+    def forward(query, key, value, scaling):
+        output, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, True, scale=scaling
+        )
+        return output, (logsumexp,), ()
+
+    @staticmethod
+    def backward(grad_output, query, key, value, output, saved, constants, scaling):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_output, query, key, value, output, *saved, 0.0, True, scale=scaling
+        )
+
+
+class _CUDAFlash:
+    """PyTorch's FlashAttention-2 entry points on CUDA. They take grouped keys and values as they are (FlashAttention
+    reads each key/value head for its group of query heads, and sums their gradients itself), as PyTorch's own SDPA
+    hands them over."""
+
+    @staticmethod
+    def forward(query, key, value, scaling):
+        output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, _ = (
+            torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False, scale=scaling)
+        )
+        return output, (logsumexp, cum_seq_q, cum_seq_k, philox_seed, philox_offset), (max_q, max_k)
+
+    @staticmethod
+    def backward(grad_output, query, key, value, output, saved, constants, scaling):
+        logsumexp, cum_seq_q, cum_seq_k, philox_seed, philox_offset = saved
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_output, query, key, value, output, logsumexp, cum_seq_q, cum_seq_k, *constants, 0.0, True,
+            philox_seed, philox_offset, scale=scaling,
+        )
+
+
+def _paired_forward(ctx, flash, query, key, value, scaling):
+    """A causal flash call on `_pad_to_pairs`' layout, keeping for backward the d-wide query, key and value, not their
+    padded copies: (batch, H, seq, 2d)."""
+    output, saved, constants = flash.forward(*_pad_to_pairs(query, key, value), scaling)
+    ctx.save_for_backward(query, key, value, output, *saved)
+    ctx.constants, ctx.scaling = constants, scaling
+    return output
+
+
+def _paired_backward(ctx, flash, grad_output):
+    """The padded layout built again (three concatenations), the flash backward on it, and the gradients of the
+    d-wide query, key and value it was built from."""
+    query, key, value, output, *saved = ctx.saved_tensors
+    grad_query, grad_key, grad_value = flash.backward(
+        grad_output.contiguous(), *_pad_to_pairs(query, key, value), output, saved, ctx.constants, ctx.scaling
+    )
+    head_dim = query.shape[-1]
+    grad_pairs = sum(grad_value.chunk(2, dim=1))  # both halves of the heads read the same value pairs
+    grad_value = torch.cat(grad_pairs.split(head_dim, dim=-1), dim=1)
+    return grad_query[..., :head_dim], grad_key[..., :head_dim], grad_value, None
+
+
+class CausalPairedAttentionCPU(torch.autograd.Function):
+    """Training on CPU, causal, no padding mask: the fused SDPA kernel on the padded layout of `_pad_to_pairs`, but
+    saving for backward only the d-wide query, key and value (and the output), not their padded copies. Output:
+    (batch, H, seq, 2d)."""
 
     @staticmethod
     def forward(ctx, query, key, value, scaling):
-        heads = query.shape[1]
-        padded_query, padded_key, value_pairs = _pad_to_pairs(query, key, value)
-        groups = heads // padded_key.shape[1]
-        output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, _ = (
-            torch.ops.aten._scaled_dot_product_flash_attention(
-                padded_query, repeat_kv(padded_key, groups), repeat_kv(value_pairs, groups), 0.0, True, False,
-                scale=scaling,
-            )
-        )
-        ctx.save_for_backward(query, key, value, output, logsumexp, cum_seq_q, cum_seq_k, philox_seed, philox_offset)
-        ctx.max_q, ctx.max_k, ctx.scaling = max_q, max_k, scaling
-        return output
+        return _paired_forward(ctx, _CPUFlash, query, key, value, scaling)
 
     @staticmethod
     def backward(ctx, grad_output):
-        query, key, value, output, logsumexp, cum_seq_q, cum_seq_k, philox_seed, philox_offset = ctx.saved_tensors
-        batch, heads, seq, head_dim = query.shape
-        padded_query, padded_key, value_pairs = _pad_to_pairs(query, key, value)
-        kv_heads = padded_key.shape[1]
-        grad_query, grad_key, grad_value = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad_output.contiguous(), padded_query, repeat_kv(padded_key, heads // kv_heads),
-            repeat_kv(value_pairs, heads // kv_heads), output, logsumexp, cum_seq_q, cum_seq_k, ctx.max_q, ctx.max_k,
-            0.0, True, philox_seed, philox_offset, scale=ctx.scaling,
-        )
-        # Back from every query head to the key/value heads: the sum over each group (repeat_kv's order).
-        grad_key = grad_key.view(batch, kv_heads, heads // kv_heads, seq, 2 * head_dim).sum(2)
-        grad_value = grad_value.view(batch, kv_heads, heads // kv_heads, seq, 2 * head_dim).sum(2)
-        return (*_unpadded_gradients(grad_query, grad_key, grad_value, head_dim), None)
+        return _paired_backward(ctx, _CPUFlash, grad_output)
+
+
+class CausalPairedAttentionCUDA(torch.autograd.Function):
+    """`CausalPairedAttentionCPU` on CUDA, with FlashAttention's entry points; grouped keys and values go to it as
+    they are (no copy to every query head)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, scaling):
+        return _paired_forward(ctx, _CUDAFlash, query, key, value, scaling)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _paired_backward(ctx, _CUDAFlash, grad_output)
 
 
 def _future_is_masked(attention_mask: torch.Tensor, query_len: int, key_len: int) -> bool:
@@ -440,9 +461,71 @@ def generic_differential_attention(module, query, key, value, attention_mask, la
 def _pair_difference(map1_output, map2_output, lambda_full):
     """A1·V − λ·A2·V in λ's dtype (float32 or wider). λ as a one-element tensor, so that the product promotes to its
     dtype: autograd then keeps A2·V for λ's gradient as it is, a view of the attention output in the model's dtype,
-    which the attention kernel keeps anyway, instead of a float32 copy (in bf16, 2 bytes per element of every layer's
-    2d-wide output for backward)."""
+    which the attention kernel keeps anyway, instead of a float32 copy. In training, one `PairDifference` node, so
+    that the head norm need not keep the float32 difference either."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # compiled: the partitioner recomputes itself
+        return PairDifference.apply(map1_output, map2_output, lambda_full)
+    return _pair_difference_value(map1_output, map2_output, lambda_full)
+
+
+def _pair_difference_value(map1_output, map2_output, lambda_full):
     return map1_output.to(lambda_full.dtype) - map2_output * lambda_full.view(1)
+
+
+def _recomputed_gradients(function, inputs, needs_grad, grad_output):
+    """Gradients of `function(*inputs)` for the inputs that need them (None for the others), recomputing its
+    forward: the same ops as the forward that ran, so the same gradients as autograd keeping its tensors would give."""
+    inputs = [tensor.detach().requires_grad_(needs) for tensor, needs in zip(inputs, needs_grad)]
+    with torch.enable_grad():
+        output = function(*inputs)
+    wanted = [tensor for tensor in inputs if tensor.requires_grad]
+    grads = iter(torch.autograd.grad(output, wanted, grad_output) if wanted else ())
+    return tuple(next(grads) if tensor.requires_grad else None for tensor in inputs)
+
+
+class PairDifference(torch.autograd.Function):
+    """`_pair_difference` as one autograd node, keeping only its inputs A1·V, A2·V and λ: views of the attention
+    kernel's output, which that kernel keeps anyway. The float32 difference (2d wide, per differential head) is the
+    largest tensor a layer would keep besides them; the head norm that reads it recomputes it from this node's inputs
+    instead (`NormOfPairDifference`)."""
+
+    @staticmethod
+    def forward(ctx, map1_output, map2_output, lambda_full):
+        ctx.save_for_backward(map1_output, map2_output, lambda_full)
+        ctx.is_pair_difference = True  # read by `pair_difference_inputs`, on this node
+        return _pair_difference_value(map1_output, map2_output, lambda_full)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        return _recomputed_gradients(_pair_difference_value, ctx.saved_tensors, ctx.needs_input_grad, grad_output)
+
+
+def pair_difference_inputs(difference: torch.Tensor) -> tuple | None:
+    """(A1·V, A2·V, λ) when `difference` is a `PairDifference` output that autograd records, else None."""
+    node = difference.grad_fn
+    if node is None or not getattr(node, "is_pair_difference", False):
+        return None
+    return node.saved_tensors
+
+
+class NormOfPairDifference(torch.autograd.Function):
+    """`normalize(difference)` for the output of a `PairDifference`, keeping for backward not the float32 difference
+    but the pair it is made from (kept by that node anyway); backward computes the difference again (two pointwise
+    ops) and differentiates `normalize` on it."""
+
+    @staticmethod
+    def forward(ctx, difference, normalize, map1_output, map2_output, lambda_full):
+        ctx.normalize = normalize
+        ctx.save_for_backward(map1_output, map2_output, lambda_full)
+        return normalize(difference)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        difference = _pair_difference_value(*ctx.saved_tensors)
+        (grad_difference,) = _recomputed_gradients(ctx.normalize, (difference,), (True,), grad_output)
+        return grad_difference, None, None, None, None
 
 
 def decode_differential_attention(module, query, key, value, attention_mask, lambda_full, **kwargs):

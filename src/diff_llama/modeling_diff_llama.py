@@ -53,8 +53,10 @@ from .configuration_diff_llama import REMOTE_CODE_FILES, DiffLlamaConfig
 from .differential_kernels import (
     ALL_DIFFERENTIAL_KERNELS,
     GroupedQueryAttentionInterface,
+    NormOfPairDifference,
     _float32_or_wider,
     eager_attention_forward,
+    pair_difference_inputs,
     select_differential_kernel,
 )
 from .lambda_diff_llama import (
@@ -98,11 +100,18 @@ class DiffLlamaRotaryEmbedding(LlamaRotaryEmbedding):
 
 class DiffLlamaHeadNorm(nn.RMSNorm):
     """The paper's per-head RMSNorm over the 2d-wide output, without affine weight: nn.RMSNorm's function in four
-    aten ops (F.rms_norm runs 23 on CPU), since a decoding step pays for every op."""
+    aten ops (F.rms_norm runs 23 on CPU), since a decoding step pays for every op. In training, an input formed from
+    a pair of attention outputs (`PairDifference`) is recomputed from them in backward rather than kept."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return super().forward(hidden_states)
+        pair = pair_difference_inputs(hidden_states) if torch.is_grad_enabled() else None
+        if pair is not None:
+            return NormOfPairDifference.apply(hidden_states, self.normalize, *pair)
+        return self.normalize(hidden_states)
+
+    def normalize(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # x / sqrt(mean(x²) + eps) = x · rsqrt(eps + ‖x‖² / n); eps as a tensor, since a Python number is wrapped and
         # copied by every op that takes it.
         eps = self._eps_tensor(hidden_states)
