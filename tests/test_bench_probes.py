@@ -79,3 +79,25 @@ def test_cuda_memory_prediction_reproduces_the_h200_measurement():
         for model in ("llama", "llama 2x heads", "diff-llama v2"):
             predicted = predict_train_peak(model, SHAPES[shape], 4096)
             assert abs(predicted / measured["medians"][shape][model] - 1) < 0.01, (shape, model, predicted)
+
+
+def test_version_1_training_rebuilds_its_wide_tensors_instead_of_keeping_them():
+    """Issue 40 §4, counted on the meta device as on CUDA (one layer at Llama-3.2-1B's width, 512 tokens): the step's
+    peak drops by at least what the float32 pair difference, o_proj's bf16 input (both 2d wide per differential head)
+    and the padded queries (2d wide per query head, less the d-wide ones now kept) take, against the same code keeping
+    every tensor."""
+    from unittest import mock
+
+    import diff_llama.differential_kernels as kernels
+    from cuda_benchmark import SHAPES
+    from cuda_memory_prediction import predict_train_peak
+
+    shape, tokens = {**SHAPES["llama-3.2-1b"], "num_hidden_layers": 1, "vocab_size": 512}, 512
+    rebuilt = predict_train_peak("diff-llama", shape, tokens)
+    with mock.patch.object(kernels, "_pair_difference", kernels._pair_difference_value), \
+            mock.patch.object(kernels.RebuiltForBackward, "_pack", lambda self, tensor: tensor):
+        kept = predict_train_peak("diff-llama", shape, tokens)
+    heads = 2 * shape["num_attention_heads"]  # the converted version 1 layout: twice the query heads of width d
+    wide = tokens * heads // 2 * 2 * shape["head_dim"]  # elements of a (tokens, h, 2d) tensor
+    minimum = wide * 4 + wide * 2 + (tokens * heads * 2 * shape["head_dim"] - tokens * heads * shape["head_dim"]) * 2
+    assert (kept - rebuilt) * 2**30 >= minimum, (kept, rebuilt, minimum / 2**30)

@@ -445,8 +445,8 @@ def training_gradients(model, input_ids, weights):
 @pytest.mark.parametrize("kernel", ["generic", "paired_sdpa_cpu"])
 @pytest.mark.parametrize("heads,kv_heads", [(6, 3), (8, 1), (2, 1), (8, 4)])
 def test_training_recomputes_the_pair_difference_and_gives_the_reference_gradients(kernel, heads, kv_heads):
-    """Issue 40 §4 (version 1 training memory): the head norm's backward recomputes its float32 input from A1·V and
-    A2·V (kept by the attention kernel anyway) instead of keeping it; every gradient, λ included, is the float64
+    """Issue 40 §4 (version 1 training memory): the float32 difference and o_proj's input are rebuilt in backward from
+    A1·V and A2·V (kept by the attention kernel anyway) instead of kept; every gradient, λ included, is the float64
     reference's."""
     model = tiny_model(torch.float64, num_attention_heads=heads, num_key_value_heads=kv_heads)
     randomise_lambdas(model)
@@ -454,7 +454,7 @@ def test_training_recomputes_the_pair_difference_and_gives_the_reference_gradien
     input_ids = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(2))
     weights = torch.randn(2, 11, model.config.vocab_size, generator=torch.Generator().manual_seed(4),
                           dtype=torch.float64)
-    with mock.patch.object(kernels.NormOfPairDifference, "apply", wraps=kernels.NormOfPairDifference.apply) as spy:
+    with mock.patch.object(kernels.PairDifference, "apply", wraps=kernels.PairDifference.apply) as spy:
         got = training_gradients(model, input_ids, weights)
     assert spy.call_count == model.config.num_hidden_layers
     state = {name: tensor.detach().clone().requires_grad_() for name, tensor in checkpoint_state_dict(model).items()}
@@ -470,27 +470,43 @@ def test_training_recomputes_the_pair_difference_and_gives_the_reference_gradien
 
 
 @pytest.mark.parametrize("kernel", ["generic", "paired_sdpa_cpu"])
-def test_recomputing_the_pair_difference_changes_no_bf16_gradient_and_keeps_no_float32_difference(kernel):
-    """The recomputation runs the forward's own ops again: bf16 gradients equal, bit for bit, those of autograd
-    keeping the float32 difference, and no float32 tensor of the difference's shape is kept."""
+def test_rebuilding_for_backward_changes_no_bf16_gradient(kernel):
+    """The rebuilding runs the forward's own ops again: bf16 gradients equal, bit for bit, those of autograd keeping
+    every tensor. (What it saves: tests/test_bench_probes.py.)"""
     model = tiny_model(torch.bfloat16, num_attention_heads=8, num_key_value_heads=2)
     randomise_lambdas(model)
     model.set_differential_kernel(kernel)
     input_ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(2))
     weights = torch.randn(2, 16, model.config.vocab_size, generator=torch.Generator().manual_seed(4))
     recomputed = training_gradients(model, input_ids, weights)
-    with mock.patch.object(kernels, "_pair_difference", kernels._pair_difference_value):
+    with mock.patch.object(kernels, "_pair_difference", kernels._pair_difference_value), \
+            mock.patch.object(kernels.RebuiltForBackward, "_pack", lambda self, tensor: tensor):
         kept = training_gradients(model, input_ids, weights)
     for name, grad in kept.items():
         assert torch.equal(recomputed[name], grad), name
 
-    difference_shape = (2, 16, 4, 2 * model.config.head_dim)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
+
+
+def test_rebuilding_leaves_every_tensor_to_an_outer_saved_tensor_policy():
+    """Under non-reentrant activation checkpointing (transformers' default) or CPU offloading, their hooks decide for
+    every saved tensor: inner hooks would take over from them. So the outer hooks see the padded queries too, and
+    checkpointed gradients equal the plain ones, in either checkpointing mode."""
+    model = tiny_model(torch.float64, num_attention_heads=8, num_key_value_heads=2)
+    randomise_lambdas(model)
+    model.set_attn_implementation("sdpa")
+    model.set_differential_kernel("generic")
+    input_ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(tuple(t.shape)) or t, lambda t: t):
         model.train().model(input_ids)
-    assert (torch.float32, difference_shape) not in saved
-    with mock.patch.object(kernels, "_pair_difference", kernels._pair_difference_value), \
-            torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t,
-                                                     lambda t: t):
-        model.train().model(input_ids)
-    assert (torch.float32, difference_shape) in saved  # what the check above would catch
+    assert (2, 8, 12, 2 * model.config.head_dim) in seen  # the padded queries, handed to the outer hooks
+
+    model(input_ids, labels=input_ids).loss.backward()
+    plain = {name: param.grad.clone() for name, param in model.named_parameters()}
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    for reentrant in (False, True):
+        model.zero_grad(set_to_none=True)
+        enable({"use_reentrant": reentrant})
+        model(input_ids, labels=input_ids).loss.backward()
+        for name, grad in plain.items():
+            torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-12, atol=1e-14, msg=name)

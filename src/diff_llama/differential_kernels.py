@@ -12,6 +12,7 @@ backend) and needs no differential kernel; its SDPA is `folded_gqa_sdpa_attentio
 Imports only torch and transformers: it ships next to the modeling file as remote code.
 """
 
+import contextlib
 import math
 from collections.abc import Callable
 from functools import partial
@@ -129,17 +130,74 @@ _EMPTY_SCALARS: dict = {}
 
 def _pad_to_pairs(query, key, value):
     """The one-call layout of the prefill path: queries and keys with d zero channels; for every key/value head, the
-    value pair [v(first half), v(second half)] of the differential heads it serves. The padded queries and keys lie in
-    memory as (batch, seq, heads, 2d), as the projections lay out q and k: a fused kernel's output then follows that
-    layout, and transformers' transpose of it to (batch, seq, heads, 2d) copies nothing (the copy would be a 2d-wide
-    tensor that training keeps, since λ's gradient reads A2·V)."""
-    head_dim = query.shape[-1]
+    value pair [v(first half), v(second half)] of the differential heads it serves."""
+    return _zero_padded(query), _zero_padded(key), _value_pairs(value)
+
+
+def _zero_padded(states):
+    """(batch, heads, seq, d) -> (batch, heads, seq, 2d), the new channels zero, laid out in memory as (batch, seq,
+    heads, 2d) as the projections lay out q and k: a fused kernel's output then follows that layout, and
+    transformers' transpose of it to (batch, seq, heads, 2d) copies nothing (the copy would be a 2d-wide tensor that
+    training keeps, since λ's gradient reads A2·V)."""
+    return nn.functional.pad(states.transpose(1, 2), (0, states.shape[-1])).transpose(1, 2)
+
+
+def _value_pairs(value):
+    """(batch, G, seq, d) -> (batch, G, seq, 2d): key/value head g holds the pair of the differential heads it serves."""
     value_pairs = torch.cat(value.chunk(2, dim=1), dim=-1)
-    return (
-        nn.functional.pad(query.transpose(1, 2), (0, head_dim)).transpose(1, 2),
-        nn.functional.pad(key.transpose(1, 2), (0, head_dim)).transpose(1, 2),
-        torch.cat([value_pairs, value_pairs], dim=1),
-    )
+    return torch.cat([value_pairs, value_pairs], dim=1)
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks are in force here (torch.utils.checkpoint asks the same private function); unknown
+    counts as yes."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
+
+
+class RebuiltForBackward:
+    """While active, autograd keeps for backward, in place of a tensor registered with `add` (or of a view of it), the
+    inputs that rebuild it. Meant for tensors larger than inputs that are kept anyway (padding, concatenation, a pair
+    difference and what is computed from it); backward pays for computing them again. A no-op without autograd, while
+    compiling (the partitioner decides there), and under another saved-tensor policy (non-reentrant activation
+    checkpointing, offloading to the CPU), which then decides for every tensor (inner hooks would take over from it)."""
+
+    def __init__(self):
+        # By storage, so that a view of a registered tensor is found too; the tensors are held while this is active,
+        # so their storages' ids stay theirs.
+        self._recipes: dict[int, tuple] = {}
+        self._hooks = None
+
+    def add(self, tensor: torch.Tensor, rebuild: Callable, *inputs: torch.Tensor) -> torch.Tensor:
+        """Register `tensor` = rebuild(*inputs), which must recreate its values and layout. Returns `tensor`."""
+        self._recipes[id(tensor.untyped_storage())] = (tensor, rebuild, inputs)
+        return tensor
+
+    def __enter__(self):
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling() and not _saved_tensor_hooks_active():
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc_info)
+        self._hooks = None
+        self._recipes.clear()
+
+    def _pack(self, tensor):
+        entry = self._recipes.get(id(tensor.untyped_storage()))
+        if entry is None:
+            return tensor
+        _, rebuild, inputs = entry
+        return rebuild, inputs, tensor.size(), tensor.stride(), tensor.storage_offset()
+
+    @staticmethod
+    def _unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        rebuild, inputs, size, stride, offset = packed
+        return rebuild(*inputs).as_strided(size, stride, offset)
 
 
 def _has_cpu_flash_attention() -> bool:
@@ -446,8 +504,13 @@ def generic_differential_attention(module, query, key, value, attention_mask, la
         # Prefill: one backend call forms every softmax map once and applies it to the 2d-wide value pair. Fused
         # kernels want equal query/key/value widths, so queries and keys get d zero channels: the scores, hence the
         # maps, are unchanged (the scaling stays 1/sqrt(d)).
-        padded_query, padded_key, value_pairs = _pad_to_pairs(query, key, value)
-        attn_output, attn_weights = call(query=padded_query, key=padded_key, value=value_pairs, **kwargs)
+        # The backend keeps what it was handed for backward; in training it keeps the d-wide tensors instead and
+        # rebuilds the padded layout from them.
+        with RebuiltForBackward() as rebuilt:
+            padded_query = rebuilt.add(_zero_padded(query), _zero_padded, query)
+            padded_key = rebuilt.add(_zero_padded(key), _zero_padded, key)
+            value_pairs = rebuilt.add(_value_pairs(value), _value_pairs, value)
+            attn_output, attn_weights = call(query=padded_query, key=padded_key, value=value_pairs, **kwargs)
     else:
         # Decoding one token: padding the whole cached keys every step costs more than forming the scores twice.
         first_values, second_values = value.chunk(2, dim=1)
@@ -462,7 +525,7 @@ def _pair_difference(map1_output, map2_output, lambda_full):
     """A1·V − λ·A2·V in λ's dtype (float32 or wider). λ as a one-element tensor, so that the product promotes to its
     dtype: autograd then keeps A2·V for λ's gradient as it is, a view of the attention output in the model's dtype,
     which the attention kernel keeps anyway, instead of a float32 copy. In training, one `PairDifference` node, so
-    that the head norm need not keep the float32 difference either."""
+    that what is computed from the difference need not be kept either."""
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # compiled: the partitioner recomputes itself
         return PairDifference.apply(map1_output, map2_output, lambda_full)
     return _pair_difference_value(map1_output, map2_output, lambda_full)
@@ -485,9 +548,9 @@ def _recomputed_gradients(function, inputs, needs_grad, grad_output):
 
 class PairDifference(torch.autograd.Function):
     """`_pair_difference` as one autograd node, keeping only its inputs A1·V, A2·V and λ: views of the attention
-    kernel's output, which that kernel keeps anyway. The float32 difference (2d wide, per differential head) is the
-    largest tensor a layer would keep besides them; the head norm that reads it recomputes it from this node's inputs
-    instead (`NormOfPairDifference`)."""
+    kernel's output, which that kernel keeps anyway. What is computed from the float32 difference (the head norm,
+    o_proj's input) can then be rebuilt from them in backward rather than kept (`pair_difference_inputs`,
+    `RebuiltForBackward`)."""
 
     @staticmethod
     def forward(ctx, map1_output, map2_output, lambda_full):
@@ -507,25 +570,6 @@ def pair_difference_inputs(difference: torch.Tensor) -> tuple | None:
     if node is None or not getattr(node, "is_pair_difference", False):
         return None
     return node.saved_tensors
-
-
-class NormOfPairDifference(torch.autograd.Function):
-    """`normalize(difference)` for the output of a `PairDifference`, keeping for backward not the float32 difference
-    but the pair it is made from (kept by that node anyway); backward computes the difference again (two pointwise
-    ops) and differentiates `normalize` on it."""
-
-    @staticmethod
-    def forward(ctx, difference, normalize, map1_output, map2_output, lambda_full):
-        ctx.normalize = normalize
-        ctx.save_for_backward(map1_output, map2_output, lambda_full)
-        return normalize(difference)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_output):
-        difference = _pair_difference_value(*ctx.saved_tensors)
-        (grad_difference,) = _recomputed_gradients(ctx.normalize, (difference,), (True,), grad_output)
-        return grad_difference, None, None, None, None
 
 
 def decode_differential_attention(module, query, key, value, attention_mask, lambda_full, **kwargs):

@@ -53,8 +53,9 @@ from .configuration_diff_llama import REMOTE_CODE_FILES, DiffLlamaConfig
 from .differential_kernels import (
     ALL_DIFFERENTIAL_KERNELS,
     GroupedQueryAttentionInterface,
-    NormOfPairDifference,
+    RebuiltForBackward,
     _float32_or_wider,
+    _pair_difference_value,
     eager_attention_forward,
     pair_difference_inputs,
     select_differential_kernel,
@@ -100,18 +101,11 @@ class DiffLlamaRotaryEmbedding(LlamaRotaryEmbedding):
 
 class DiffLlamaHeadNorm(nn.RMSNorm):
     """The paper's per-head RMSNorm over the 2d-wide output, without affine weight: nn.RMSNorm's function in four
-    aten ops (F.rms_norm runs 23 on CPU), since a decoding step pays for every op. In training, an input formed from
-    a pair of attention outputs (`PairDifference`) is recomputed from them in backward rather than kept."""
+    aten ops (F.rms_norm runs 23 on CPU), since a decoding step pays for every op."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return super().forward(hidden_states)
-        pair = pair_difference_inputs(hidden_states) if torch.is_grad_enabled() else None
-        if pair is not None:
-            return NormOfPairDifference.apply(hidden_states, self.normalize, *pair)
-        return self.normalize(hidden_states)
-
-    def normalize(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # x / sqrt(mean(x²) + eps) = x · rsqrt(eps + ‖x‖² / n); eps as a tensor, since a Python number is wrapped and
         # copied by every op that takes it.
         eps = self._eps_tensor(hidden_states)
@@ -169,9 +163,13 @@ class DiffLlamaAttentionBase(nn.Module):
 
     def project_out(self, attn_output: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """(batch, q, h, width) differential heads -> o_proj's output, in the model's dtype."""
-        if attn_output.dtype != hidden_states.dtype:  # a no-op .to() is still an aten op
-            attn_output = attn_output.to(hidden_states.dtype)
-        return self.o_proj(attn_output.reshape(*hidden_states.shape[:-1], -1))
+        return self.o_proj(self.o_proj_input(attn_output, hidden_states.shape, hidden_states.dtype))
+
+    @staticmethod
+    def o_proj_input(attn_output: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        if attn_output.dtype != dtype:  # a no-op .to() is still an aten op
+            attn_output = attn_output.to(dtype)
+        return attn_output.reshape(*shape[:-1], -1)
 
     def project(self, hidden_states, position_embeddings, cache, kwargs):
         """Llama's queries (batch, H, q, d), and the keys and values (batch, G, k, d) after RoPE and the cache."""
@@ -229,14 +227,32 @@ class DiffLlamaAttention(DiffLlamaAttentionBase):
         self.head_norm = DiffLlamaHeadNorm(2 * self.head_dim, eps=eps, elementwise_affine=False)
 
     def differential_heads(self, hidden_states, query, key, value, attention_mask, cache, **kwargs):
+        """A1·V − λ·A2·V of every differential head, before the head norm (which `project_out` applies)."""
         key, value = repeat_kv(key, self.kv_expansion), repeat_kv(value, self.kv_expansion)
         # λ in float32 (or wider): the subtraction cancels most of the signal, whatever the model dtype.
         lambda_full = self._lambda(cache)
         kernel = select_differential_kernel(self, query, key, attention_mask)
-        attn_output, attn_weights = kernel(self, query, key, value, attention_mask, lambda_full, **kwargs)
-        attn_output = self.head_norm(attn_output)
+        return kernel(self, query, key, value, attention_mask, lambda_full, **kwargs)
+
+    def project_out(self, attn_output: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The head norm, the (1 − λ_init) factor and o_proj. Training on a difference formed from a pair of attention
+        outputs (`pair_difference_inputs`): the float32 difference and o_proj's input, 2d wide per differential head,
+        are rebuilt from that pair in backward rather than kept (the pair is kept anyway, by the attention kernel)."""
+        shape, dtype = hidden_states.shape, hidden_states.dtype
+        pair = pair_difference_inputs(attn_output)
+        with RebuiltForBackward() as rebuilt:
+            if pair is not None:
+                rebuilt.add(attn_output, _pair_difference_value, *pair)
+            output = self.o_proj_input(self.normalized_heads(attn_output), shape, dtype)
+            if pair is not None:
+                rebuilt.add(output, lambda *inputs: self.o_proj_input(
+                    self.normalized_heads(_pair_difference_value(*inputs)), shape, dtype), *pair)
+            return self.o_proj(output)
+
+    def normalized_heads(self, difference: torch.Tensor) -> torch.Tensor:
+        normalized = self.head_norm(difference)
         # x·(1 − λ_init) as x + (−λ_init)·x: one aten op, where multiplying by a Python number takes five.
-        return torch.add(attn_output, attn_output, alpha=-self.differential_lambda.lambda_init), attn_weights
+        return torch.add(normalized, normalized, alpha=-self.differential_lambda.lambda_init)
 
     def _lambda(self, cache: Cache | None) -> torch.Tensor:
         """This layer's λ. Decoding without autograd reuses the λ computed earlier with the same cache (one
