@@ -14,8 +14,10 @@ Writes bench/results/saved_for_backward.{json,md} with --write.
 """
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -48,6 +50,26 @@ def build(name: str, layers: int):
     return DiffLlamaForCausalLM(DiffLlamaConfig(**shape, diff_version=1, differential_kernel=name.split(", ")[1]))
 
 
+@contextlib.contextmanager
+def counting_rebuilt_tensors(count):
+    """The model's own saved-tensor hooks (`RebuiltForBackward`, which keeps the inputs that rebuild a tensor in its
+    place) active inside the counting hooks, whose presence would otherwise switch them off: `count` sees what they
+    keep, a tensor or the inputs of its rebuild."""
+    from diff_llama import differential_kernels as kernels
+
+    own_pack = kernels.RebuiltForBackward._pack
+
+    def counted_pack(self, tensor):
+        packed = own_pack(self, tensor)
+        for kept in [packed] if isinstance(packed, torch.Tensor) else packed[1]:
+            count(kept)
+        return packed
+
+    with mock.patch.object(kernels, "_saved_tensor_hooks_active", lambda: False), \
+            mock.patch.object(kernels.RebuiltForBackward, "_pack", counted_pack):
+        yield
+
+
 def saved_storages(model, tokens: int, device: str) -> tuple[list[dict], dict]:
     """Every storage kept for backward by the decoder (not the LM head), once, with the first tensor saved from it;
     and on CUDA the bytes allocated above the parameters after the forward and at the peak of forward and backward."""
@@ -67,7 +89,7 @@ def saved_storages(model, tokens: int, device: str) -> tuple[list[dict], dict]:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with counting_rebuilt_tensors(pack), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         hidden = model.train().model(ids).last_hidden_state
     memory = {}
     if cuda:
