@@ -510,3 +510,23 @@ def test_rebuilding_leaves_every_tensor_to_an_outer_saved_tensor_policy():
         model(input_ids, labels=input_ids).loss.backward()
         for name, grad in plain.items():
             torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_a_rebuilt_tensor_is_rebuilt_once_per_backward_however_often_it_is_saved():
+    source = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    calls = []
+
+    def double(tensor):
+        calls.append(1)
+        return tensor * 2
+
+    with kernels.RebuiltForBackward() as rebuilt:
+        doubled = rebuilt.add(double(source), double, source)
+        output = (doubled * doubled).sum() + doubled[1:].pow(3).sum()  # saved three times: twice whole, once a view
+    calls.clear()
+    output.backward(retain_graph=True)
+    assert len(calls) == 1
+    expected = 8 * source.detach() + torch.cat([torch.zeros(1, dtype=torch.float64), 24 * source.detach()[1:] ** 2])
+    torch.testing.assert_close(source.grad, expected)
+    output.backward()
+    assert len(calls) == 2

@@ -162,19 +162,21 @@ class RebuiltForBackward:
     compiling (the partitioner decides there), and under another saved-tensor policy (non-reentrant activation
     checkpointing, offloading to the CPU), which then decides for every tensor (inner hooks would take over from it)."""
 
-    def __init__(self):
+    def __init__(self, enabled: bool = True):
         # By storage, so that a view of a registered tensor is found too; the tensors are held while this is active,
         # so their storages' ids stay theirs.
-        self._recipes: dict[int, tuple] = {}
+        self._recipes: dict[int, _Rebuild] = {}
+        self._enabled = enabled
         self._hooks = None
 
     def add(self, tensor: torch.Tensor, rebuild: Callable, *inputs: torch.Tensor) -> torch.Tensor:
         """Register `tensor` = rebuild(*inputs), which must recreate its values and layout. Returns `tensor`."""
-        self._recipes[id(tensor.untyped_storage())] = (tensor, rebuild, inputs)
+        self._recipes[id(tensor.untyped_storage())] = _Rebuild(tensor, rebuild, inputs)
         return tensor
 
     def __enter__(self):
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling() and not _saved_tensor_hooks_active():
+        if self._enabled and torch.is_grad_enabled() and not torch.compiler.is_compiling() and (
+                not _saved_tensor_hooks_active()):
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._hooks.__enter__()
         return self
@@ -183,21 +185,40 @@ class RebuiltForBackward:
         if self._hooks is not None:
             self._hooks.__exit__(*exc_info)
         self._hooks = None
+        for recipe in self._recipes.values():
+            recipe.tensor = None  # from here on only backward reads it, through what was packed
         self._recipes.clear()
 
     def _pack(self, tensor):
-        entry = self._recipes.get(id(tensor.untyped_storage()))
-        if entry is None:
+        recipe = self._recipes.get(id(tensor.untyped_storage()))
+        if recipe is None:
             return tensor
-        _, rebuild, inputs = entry
-        return rebuild, inputs, tensor.size(), tensor.stride(), tensor.storage_offset()
+        recipe.packed += 1
+        return recipe, tensor.size(), tensor.stride(), tensor.storage_offset()
 
     @staticmethod
     def _unpack(packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        rebuild, inputs, size, stride, offset = packed
-        return rebuild(*inputs).as_strided(size, stride, offset)
+        recipe, size, stride, offset = packed
+        return recipe.unpack().as_strided(size, stride, offset)
+
+
+class _Rebuild:
+    """One registered tensor's recipe. Several saved tensors can be views of it (the head norm keeps its input twice):
+    the tensor is rebuilt once per backward and held until the last of them has been read."""
+
+    def __init__(self, tensor, rebuild, inputs):
+        self.tensor, self.rebuild, self.inputs = tensor, rebuild, inputs
+        self.packed = self.unpacked = 0
+        self.rebuilt = None
+
+    def unpack(self) -> torch.Tensor:
+        rebuilt = self.rebuilt if self.rebuilt is not None else self.rebuild(*self.inputs)
+        self.unpacked += 1
+        # Held until every pack has been read once (then again for a backward run a second time, retain_graph=True).
+        self.rebuilt = rebuilt if self.unpacked % self.packed else None
+        return rebuilt
 
 
 def _has_cpu_flash_attention() -> bool:
@@ -506,7 +527,8 @@ def generic_differential_attention(module, query, key, value, attention_mask, la
         # maps, are unchanged (the scaling stays 1/sqrt(d)).
         # The backend keeps what it was handed for backward; in training it keeps the d-wide tensors instead and
         # rebuilds the padded layout from them.
-        with RebuiltForBackward() as rebuilt:
+        # (Eager and SDPA only: FlexAttention compiles its call, and has never been run under these hooks.)
+        with RebuiltForBackward(module.config._attn_implementation in ("eager", "sdpa")) as rebuilt:
             padded_query = rebuilt.add(_zero_padded(query), _zero_padded, query)
             padded_key = rebuilt.add(_zero_padded(key), _zero_padded, key)
             value_pairs = rebuilt.add(_value_pairs(value), _value_pairs, value)
@@ -532,7 +554,8 @@ def _pair_difference(map1_output, map2_output, lambda_full):
 
 
 def _pair_difference_value(map1_output, map2_output, lambda_full):
-    return map1_output.to(lambda_full.dtype) - map2_output * lambda_full.view(1)
+    # One op (it promotes the bf16/fp16 pair to λ's dtype): training computes it again in backward.
+    return torch.addcmul(map1_output, map2_output, lambda_full.view(1), value=-1)
 
 
 def _recomputed_gradients(function, inputs, needs_grad, grad_output):
