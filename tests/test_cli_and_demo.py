@@ -410,3 +410,27 @@ def test_evaluate_overwrite_replaces_the_old_report_whole(tmp_path, tokenizer, c
     assert (out / "retrieval.md").read_text() != "old" and len((out / "cases.jsonl").read_text().splitlines()) == 1
     assert json.loads((out / "retrieval.json").read_text())["options"]["max_new_tokens"] == 3
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left behind
+
+
+@pytest.mark.parametrize("engine", ["transformers", "vllm"])
+def test_serve_on_a_port_in_use_is_one_line_before_the_model_loads(tmp_path, tokenizer, capsys, monkeypatch, engine):
+    """Both servers bind only after loading the model (minutes for a large one): a port already taken is refused
+    first. (vLLM need not be installed: the check comes before vLLM is looked for.)"""
+    import socket
+
+    from diff_llama import serving
+
+    tiny_model(diff_version=2, vocab_size=len(tokenizer)).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    monkeypatch.setattr(serving, "require_server_with_gguf_loading", lambda: pytest.fail("went on to the server"))
+    monkeypatch.setattr(serving, "vllm_server_launcher", lambda: ["python", "-m", "vllm.entrypoints.cli.main",
+                                                                  "serve"])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = _fails_in_one_line(capsys, ["serve", str(tmp_path / "m"), "--host", "127.0.0.1", "--port", str(port),
+                                          "--engine", engine])
+    assert f"cannot serve at 127.0.0.1:{port}" in err and "--port" in err
+    assert "--host nowhere.invalid" in _fails_in_one_line(
+        capsys, ["serve", str(tmp_path / "m"), "--host", "nowhere.invalid", "--engine", engine])

@@ -205,6 +205,7 @@ def serve(model: str, options) -> int:
     import diff_llama  # noqa: F401  (registers the Auto classes: the package's code serves without trust_remote_code)
 
     force_model, aliases = served_names(model)  # before the serving extras: the model is the likelier mistake
+    require_free_port(options.host, options.port)  # the server binds only after loading the model
     if not is_serve_available():
         raise MissingPackageError(
             "serving needs transformers' serving extras (fastapi, uvicorn, openai, pydantic): "
@@ -222,6 +223,27 @@ def serve(model: str, options) -> int:
     with diff_llama_model_loading(aliases), guarded_server(options.request_timeout):
         Serve(force_model=force_model, **server_options)
     return 0  # Serve runs the server until it is stopped
+
+
+def require_free_port(host: str, port: int) -> None:
+    """One line, before any model is loaded, where the server could not listen at host:port (another server there,
+    a port below 1024 without the rights to it, a host name that is not this machine's): both servers bind only
+    after loading the model, minutes later for a large one."""
+    import socket
+
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise UserError(f"--host {host}: {error.strerror}; use an address of this machine, such as 127.0.0.1 or "
+                        "0.0.0.0 (every interface)") from None
+    family, kind, protocol, _, address = addresses[0]
+    with socket.socket(family, kind, protocol) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: a closed socket waiting out
+        try:                                                         # its last packets does not hold the port
+            probe.bind(address)
+        except OSError as error:
+            raise UserError(f"cannot serve at {host}:{port}: {error.strerror} (another server there?); choose another "
+                            "port with --port") from None
 
 
 # ---- vLLM ------------------------------------------------------------------------------------------------------------
@@ -313,6 +335,7 @@ def serve_with_vllm(model: str, options) -> int:
     import shlex
 
     command = vllm_command(model, options)  # before vLLM: the model is the likelier mistake
+    require_free_port(options.host, options.port)
     if importlib.util.find_spec("vllm") is None:
         raise MissingPackageError(f"--engine vllm needs vLLM, which is not installed here: install it beside "
                                   f"diff-llama: {VLLM_INSTALL_COMMANDS}")
