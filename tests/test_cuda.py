@@ -109,6 +109,22 @@ def gradients(model, input_ids, attention_mask, labels) -> dict:
     return grads
 
 
+def relative_error(actual: dict, expected: dict) -> float:
+    """The norm of every gradient's error, each entry relative to its gradient's largest."""
+    return torch.cat([((actual[name] - want) / (want.abs().max() + 1e-12)).flatten()
+                      for name, want in expected.items()]).norm().item()
+
+
+def causal_training_case(heads, kv_heads):
+    """A version 1 model (float64, on the CPU), an unpadded batch, and the relative error of a run's gradients against
+    the model's own float64 gradients."""
+    model = float64_model(1, heads, kv_heads)
+    input_ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.ones_like(input_ids)
+    expected = gradients(model, input_ids, attention_mask, input_ids)
+    return model, input_ids, attention_mask, lambda actual: relative_error(actual, expected)
+
+
 def assert_gradients_close(actual: dict, expected: dict, relative: float):
     """Each gradient within `relative` of its largest entry (plus a floor for the all-but-zero ones)."""
     assert actual.keys() == expected.keys()
@@ -195,15 +211,7 @@ def test_generation_logits_equal_a_full_forward_of_the_output(version, cache):
 def test_paired_cuda_kernel_trains_as_close_to_float64_as_the_generic_path(heads, kv_heads):
     """paired_sdpa_cuda (FlashAttention's private ops, keeping only d-wide tensors for backward) really runs, and its
     bf16 loss and gradients are as close to float64 as the generic path's (no padding: the kernel's case)."""
-    model = float64_model(1, heads, kv_heads)
-    input_ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(0))
-    attention_mask = torch.ones_like(input_ids)
-    expected = gradients(model, input_ids, attention_mask, input_ids)
-
-    def error(actual):
-        return torch.cat([((actual[name] - want) / (want.abs().max() + 1e-12)).flatten()
-                          for name, want in expected.items()]).norm().item()
-
+    model, input_ids, attention_mask, error = causal_training_case(heads, kv_heads)
     generic = error(gradients(on_cuda(model, torch.bfloat16, "sdpa", "generic"), input_ids, attention_mask, input_ids))
     function = modeling.CausalPairedAttentionCUDA
     with mock.patch.object(function, "apply", wraps=function.apply) as spy:
@@ -272,15 +280,7 @@ def test_rebuilding_for_backward_trains_as_close_to_float64_as_keeping_every_ten
     """Version 1's generic path on CUDA keeps d-wide q, k, v and rebuilds the padded layout, the pair difference and
     o_proj's input in backward (`RebuiltForBackward`): its bf16 gradients are as close to float64 as those of the
     same path keeping every tensor. (Not bit for bit: FlashAttention's backward accumulates in a varying order.)"""
-    model = float64_model(1, heads, kv_heads)
-    input_ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(0))
-    attention_mask = torch.ones_like(input_ids)
-    expected = gradients(model, input_ids, attention_mask, input_ids)
-
-    def error(actual):
-        return torch.cat([((actual[name] - want) / (want.abs().max() + 1e-12)).flatten()
-                          for name, want in expected.items()]).norm().item()
-
+    model, input_ids, attention_mask, error = causal_training_case(heads, kv_heads)
     cuda_model = on_cuda(model, torch.bfloat16, "sdpa", "generic")
     packed, own_pack = [], modeling.RebuiltForBackward._pack
 

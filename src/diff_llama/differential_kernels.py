@@ -12,7 +12,6 @@ backend) and needs no differential kernel; its SDPA is `folded_gqa_sdpa_attentio
 Imports only torch and transformers: it ships next to the modeling file as remote code.
 """
 
-import contextlib
 import math
 from collections.abc import Callable
 from functools import partial
