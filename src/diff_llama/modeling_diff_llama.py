@@ -240,7 +240,7 @@ class DiffLlamaAttention(DiffLlamaAttentionBase):
         are rebuilt from that pair in backward rather than kept (the pair is kept anyway, by the attention kernel)."""
         shape, dtype = hidden_states.shape, hidden_states.dtype
         pair = pair_difference_inputs(attn_output)
-        with RebuiltForBackward() as rebuilt:
+        with RebuiltForBackward(enabled=pair is not None) as rebuilt:
             if pair is not None:
                 rebuilt.add(attn_output, _pair_difference_value, *pair)
             output = self.o_proj_input(self.normalized_heads(attn_output), shape, dtype)
