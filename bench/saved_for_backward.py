@@ -61,7 +61,7 @@ def counting_rebuilt_tensors(count):
 
     def counted_pack(self, tensor):
         packed = own_pack(self, tensor)
-        for kept in [packed] if isinstance(packed, torch.Tensor) else packed[1]:
+        for kept in [packed] if isinstance(packed, torch.Tensor) else packed[0].inputs:
             count(kept)
         return packed
 
