@@ -4,10 +4,11 @@ of the real shapes; speed does not depend on the values), bf16, SDPA.
 Shapes: Llama-3.2-1B (32 query heads over 8 KV heads, 16 layers) and SmolLM2-135M (9 over 3, 30 layers); `tiny` for
 the dry run. The converted configs come from the converter itself (`make_layout`, `diff_config_for`): version 1 with
 the default expand layout, DIFF V2 with twice the query heads over the LLaMA's KV heads. Models: `llama`;
-`llama 2x heads` (V2's query heads in a plain LLaMA: the bound for V2's attention); `diff-llama v2`; `diff-llama`
-(version 1, the automatic kernel choice); `diff-llama paired` (version 1 with the `paired_sdpa_cuda` kernel forced,
-which keeps only d-wide tensors for backward; not in the automatic choice until a GPU has measured it: train figure
-only).
+`llama 2x heads` (V2's query heads in a plain LLaMA: the bound for V2's attention); `diff-llama v2`;
+`diff-llama v2 fused` (a probe, graphs figures only, GPU only: DIFF V2 with λ, both maps of every pair and the
+subtraction in one Triton kernel at one-token steps, `bench/fused_v2_decode.py`: whether any forward reaches issue
+40's 0.95x); `diff-llama` (version 1, the automatic kernel choice); `diff-llama paired` (version 1 with the
+`paired_sdpa_cuda` kernel forced, which keeps only d-wide tensors for backward: train figure only).
 
 Figures, in the order the first round measures them (what the time budget cuts is at the end):
 - `train`: one training step (forward + backward) at batch 1 x 4096, and its peak memory above the model and its
@@ -34,8 +35,8 @@ is left. A compilation costs tens of seconds where a round of the other figures 
 measures the cheap figures first, then starts a compiled figure only where compiling llama and one more model still
 leaves the figures measured so far time for 3 rounds (a compilation is assumed to take as long as the longest seen
 so far; `--compile-estimate` before any), and each further model only where its own compilation fits; the models
-are compiled in the order llama, DIFF V2, llama 2x heads, version 1, so version 1 is the first left out, then the
-bound. Later rounds measure a
+are compiled in the order llama, DIFF V2, the fused probe, llama 2x heads, version 1, so version 1 is the first left
+out, then the bound, then the probe. Later rounds measure a
 figure for all its models or none, fewest samples first, while their last round's time fits. Results are written
 after every round, so a run cut short keeps what it measured; a figure that fails (a compile error, out of memory)
 is recorded with its error, and the run goes on.
@@ -85,12 +86,16 @@ SHAPES = {
     "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True),
 }
-MODELS = ("llama", "llama 2x heads", "diff-llama v2", "diff-llama", "diff-llama paired")
+MODELS = ("llama", "llama 2x heads", "diff-llama v2", "diff-llama v2 fused", "diff-llama", "diff-llama paired")
 # The order of the compilations in a graphs figure: where the budget runs short, version 1 is left out first, then the
-# bound; DIFF V2 against llama is what issue 40's targets read.
-COMPILE_ORDER = ("llama", "diff-llama v2", "llama 2x heads", "diff-llama")
+# bound, then the fused probe; DIFF V2 against llama is what issue 40's targets read.
+COMPILE_ORDER = ("llama", "diff-llama v2", "diff-llama v2 fused", "llama 2x heads", "diff-llama")
 # Models measured only in the train figure: a kernel for training, which decoding never takes.
 TRAIN_ONLY_MODELS = ("diff-llama paired",)
+# Models measured only in the graphs figures: the probe of a one-token kernel (bench/fused_v2_decode.py).
+GRAPHS_ONLY_MODELS = ("diff-llama v2 fused",)
+# Models that need a CUDA GPU (a Triton kernel): a dry run on the CPU leaves them out.
+CUDA_ONLY_MODELS = ("diff-llama v2 fused",)
 BASELINE = "llama"
 FIGURE_KINDS = ("train", "prefill", "eager", "graphs")
 
@@ -134,9 +139,16 @@ class Plan:
                       compile_estimate=5.0)
         if device == "cpu":
             values["dtype"] = "float32"
+            values["models"] = models_on("cpu", changes.pop("models", MODELS))
+            values["graph_models"] = models_on("cpu", changes.pop("graph_models", COMPILE_ORDER))
             if "compile_backend" not in changes:
                 values.update(compile_backend="eager", compile_mode=None)
         return cls(**{**values, **changes})
+
+
+def models_on(device: str, names) -> tuple:
+    """The models of `names` that run on `device` ("cpu" or "cuda")."""
+    return tuple(name for name in names if device == "cuda" or name not in CUDA_ONLY_MODELS)
 
 
 def build(name: str, shape: dict, plan: Plan) -> torch.nn.Module:
@@ -149,12 +161,16 @@ def build(name: str, shape: dict, plan: Plan) -> torch.nn.Module:
             model = LlamaForCausalLM(LlamaConfig(**{**shape, "num_attention_heads": 2 * shape["num_attention_heads"]},
                                                  max_position_embeddings=8192))
         else:
-            options = ConversionOptions(diff_version=2 if name == "diff-llama v2" else 1)
+            options = ConversionOptions(diff_version=2 if name.startswith("diff-llama v2") else 1)
             config = diff_config_for(llama_config, make_layout(shape["num_attention_heads"],
                                                                shape["num_key_value_heads"], options))
             model = DiffLlamaForCausalLM(config)
             if name == "diff-llama paired":
                 model.set_differential_kernel("paired_sdpa_cuda")  # where unsupported (a CPU dry run): automatic
+            if name == "diff-llama v2 fused":
+                import fused_v2_decode  # Triton: the GPU machines have it, this project's CPU set-up does not
+
+                fused_v2_decode.install(model)
     model.set_attn_implementation("sdpa")
     return model.to(getattr(torch, plan.dtype)).eval()
 
@@ -276,10 +292,12 @@ class Figure:
 def figures_for(plan: Plan, models: dict, inputs: dict, device: torch.device) -> list:
     figures = []
     if "train" in plan.figures:
-        figures.append(Figure("train", list(models), lambda name: measure_train(models[name], inputs["train"], device)))
+        figures.append(Figure("train", [name for name in models if name not in GRAPHS_ONLY_MODELS],
+                              lambda name: measure_train(models[name], inputs["train"], device)))
     models_beyond_training = [name for name in models if name not in TRAIN_ONLY_MODELS]
+    uncompiled = [name for name in models_beyond_training if name not in GRAPHS_ONLY_MODELS]
     if "prefill" in plan.figures:
-        figures.append(Figure("prefill", models_beyond_training,
+        figures.append(Figure("prefill", uncompiled,
                               lambda name: measure_prefill(models[name], inputs["prefill"], device)))
     for kind in ("eager", "graphs"):
         for batch in plan.batches if kind in plan.figures else ():
@@ -295,7 +313,7 @@ def figures_for(plan: Plan, models: dict, inputs: dict, device: torch.device) ->
             if compiled:
                 names = [name for name in COMPILE_ORDER if name in plan.graph_models and name in models_beyond_training]
             else:
-                names = models_beyond_training
+                names = uncompiled
             figures.append(Figure(f"{kind} b{batch}", names, measure, compiles=compiled,
                                   max_samples=None if compiled else plan.eager_rounds))
     return figures
@@ -551,6 +569,10 @@ def targets(results: dict) -> list:
                     lines.append(f"- {shape_name}, {label}: DIFF V2 {ratio_text(v2)} of llama, target ≥ 0.95x: "
                                  f"{verdict(v2, v2[0] >= 0.95)}"
                                  + (f" (its bound, llama 2x heads: {ratio_text(bound)})" if bound else ""))
+                fused = ratio(found.get("diff-llama v2 fused"), found.get(BASELINE))
+                if key.startswith("graphs") and fused:
+                    lines.append(f"- {shape_name}, {label}: probe, DIFF V2 with λ, both maps and the subtraction in one "
+                                 f"kernel {ratio_text(fused)} of llama, ≥ 0.95x: {verdict(fused, fused[0] >= 0.95)}")
                 if key.startswith("eager") and v2:
                     bound = ratio(found.get("llama 2x heads"), found.get(BASELINE))
                     if bound:
@@ -612,6 +634,9 @@ def main(argv=None):
         decode_steps=args.decode_steps, eager_decode_steps=args.eager_decode_steps,
         prompt_tokens=args.prompt_tokens, compile_backend=args.compile_backend,
         compile_estimate=args.compile_estimate).items() if value is not None}
+    if device == "cpu":  # the Triton probe runs on a GPU only
+        changes.update(models=models_on("cpu", changes.get("models", MODELS)),
+                       graph_models=models_on("cpu", changes.get("graph_models", COMPILE_ORDER)))
     if args.compile_backend and args.compile_backend != "inductor":
         changes["compile_mode"] = None  # modes are inductor's
     plan = Plan.dry_run(**changes) if args.dry_run else Plan(**changes)

@@ -16,7 +16,14 @@ to give the shipped model's logits): λ's rows folded into q_proj's product (one
 weights concatenated once), and that fold with nothing kept for vLLM (no cast back, views for reshapes): how far the
 issue's fold would take V2's extra ops per layer.
 
-Usage: python -m bench decode_ops [--batch 1] [--dtype float32] [--timing] [--products] [--fold-probe] [--write]
+With --kernels, the kernels of one decoding step compiled by inductor over a static cache (the step CUDA graphs
+replay on a GPU; here inductor's C++ backend, whose fusion decisions are the same scheduler's): fused kernels and
+calls of extern kernels (matrix products, SDPA) per layer, for Llama, Llama with twice the query heads, DIFF V2 and
+version 1, on a GQA shape (8 query heads over 2 key/value heads, 4 layers, batch 1). With CUDA graphs a one-token step
+of a small model costs about as much per kernel as per byte, so this count is what DIFF V2's graphs figure reads.
+
+Usage: python -m bench decode_ops [--batch 1] [--dtype float32] [--timing] [--products] [--fold-probe] [--kernels]
+                                  [--write]
 Writes bench/results/decode_ops.{json,md} with --write.
 """
 
@@ -201,6 +208,53 @@ def product_timing(batch, dtype) -> dict:
     return {"cached_tokens": length, "heads": heads, "kv_heads": kv_heads, "microseconds": timings}
 
 
+KERNEL_SHAPE = dict(vocab_size=512, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                    num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=256)
+
+
+def compiled_kernels(batch, dtype, layers=KERNEL_SHAPE["num_hidden_layers"]) -> dict:
+    """{model: {"fused": n, "extern": {name: n}}} of one decoding step compiled by inductor (see --kernels)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+    from diff_llama import DiffLlamaConfig, DiffLlamaForCausalLM
+    from diff_llama.compat_diff_llama import CACHE_NAME
+
+    shape = {**KERNEL_SHAPE, "num_hidden_layers": layers}
+    twice = {**shape, "num_attention_heads": 2 * shape["num_attention_heads"]}
+    builders = {
+        "llama": lambda: LlamaForCausalLM(LlamaConfig(**shape)),
+        "llama 2x heads": lambda: LlamaForCausalLM(LlamaConfig(**twice)),
+        "diff-llama v2": lambda: DiffLlamaForCausalLM(DiffLlamaConfig(**twice, diff_version=2)),
+        "diff-llama": lambda: DiffLlamaForCausalLM(DiffLlamaConfig(**shape, diff_version=1)),
+    }
+    found = {}
+    for name, make in builders.items():
+        torch.manual_seed(0)
+        model = make().to(dtype).eval()
+        model.set_attn_implementation("sdpa")
+        cache = StaticCache(config=model.config, max_cache_len=64)
+        prompt = torch.randint(3, 512, (batch, 16), generator=torch.Generator().manual_seed(0))
+
+        def step(token, position):
+            return model(input_ids=token, position_ids=position, use_cache=True, logits_to_keep=1,
+                         **{CACHE_NAME: cache}).logits
+
+        torch._dynamo.reset()
+        with torch.no_grad():
+            token = model(input_ids=prompt, use_cache=True, **{CACHE_NAME: cache}).logits[:, -1:].argmax(-1)
+            position = torch.full((batch, 1), prompt.shape[1])
+            _, code = run_and_get_code(torch.compile(step, fullgraph=True, dynamic=False), token, position)
+        call = "\n".join(code)
+        call = call[call.rindex("def call("):]
+        fused = re.findall(r"\n\s+(cpp_fused_\w+)\(", call)
+        extern = re.findall(r"(extern_kernels\.\w+|torch\.ops\.aten\.\w+)(?:\.default)?\(", call)  # calls only
+        found[name] = {"fused": len(fused), "extern": dict(collections.Counter(extern))}
+    return {"shape": shape, "models": found}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=1)
@@ -210,6 +264,8 @@ def main():
                         help="time the one-token kernel's parts in every formulation against Llama's SDPA call")
     parser.add_argument("--fold-probe", action="store_true",
                         help="count DIFF V2 with λ folded into q_proj's product, and that fold at its leanest")
+    parser.add_argument("--kernels", action="store_true",
+                        help="count the kernels of a decoding step compiled by inductor (minutes: C++ compilation)")
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--output", default="decode_ops", help="with --write: results name or path (no suffix)")
     args = parser.parse_args()
@@ -224,6 +280,8 @@ def main():
         result["products"] = product_timing(args.batch, dtype)
     if args.fold_probe:
         result["fold_probe"] = fold_probe(args.batch, dtype)
+    if args.kernels:
+        result["compiled_kernels"] = compiled_kernels(args.batch, dtype)
     if args.write:
         suite.write_result("decode_ops", args.output, result, render)
     else:
@@ -260,6 +318,22 @@ def render(result: dict) -> str:
                   "| forward | ops per layer over Llama | logits differ by |", "|---|---|---|"]
         lines += [f"| {name} | {row['per_layer_over_llama']:+.1f} | {row['logit_difference']:.1e} |"
                   for name, row in result["fold_probe"]["rows"].items()]
+    if "compiled_kernels" in result:
+        found, layers = result["compiled_kernels"]["models"], result["compiled_kernels"]["shape"]["num_hidden_layers"]
+        shape = result["compiled_kernels"]["shape"]
+        lines += ["", f"Kernels of one decoding step compiled by inductor (`--kernels`), batch {batch}, static cache, "
+                  f"{shape['num_attention_heads']} query heads over {shape['num_key_value_heads']} key/value heads "
+                  f"(DIFF V2 and llama 2x heads: twice the query heads), {layers} layers:", "",
+                  "| model | fused kernels | extern calls | per layer | per layer more than Llama |",
+                  "|---|---|---|---|---|"]
+
+        def per_layer(row):
+            return (row["fused"] + sum(row["extern"].values())) / layers
+
+        for name, row in found.items():
+            extern = ", ".join(f"{call.rsplit('.', 1)[-1]} {count}" for call, count in row["extern"].items())
+            lines.append(f"| {name} | {row['fused']} | {sum(row['extern'].values())} ({extern}) | "
+                         f"{per_layer(row):.2f} | {per_layer(row) - per_layer(found['llama']):+.2f} |")
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one command that ends within a time budget (default 8 minutes): the CUDA tests
-# against the float64 reference (tests/test_cuda.py) and the compiled-decoding test, then the CUDA benchmark
+# against the float64 reference (tests/test_cuda.py), the compiled-decoding test and the fused DIFF V2 probe's
+# (tests/test_fused_v2_decode.py), then the CUDA benchmark
 # (bench/cuda_benchmark.py) with what time is left, then its table. Runs from a checkout without installing it
 # (PYTHONPATH=src), under $PYTHON (default python3): torch with CUDA and the package's requirements must be there.
 #
@@ -54,7 +55,7 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH="src${PYTHONPATH:+:$PYTHON
 } 2>&1 | tee "$out/cuda-device.txt"
 
 # At most half the budget: a hang in the tests must not eat the benchmark's time.
-tests=(tests/test_cuda.py tests/test_compiled_decoding.py)
+tests=(tests/test_cuda.py tests/test_compiled_decoding.py tests/test_fused_v2_decode.py)
 [ ${#dry_run[@]} -gt 0 ] && tests=(tests/test_cuda.py)  # skipped without CUDA; the compile test runs in the suite
 timeout -k 10 $(( budget / 2 )) "$python" -m pytest "${tests[@]}" -q -p no:cacheprovider -rfEs 2>&1 \
     | tee "$out/cuda-tests.log"

@@ -19,6 +19,10 @@ import suite  # noqa: E402
 SCRIPT = REPO / "scripts" / "run_cuda_checks.sh"
 EAGER_ROWS = ("train step (ms)", "prefill (ms)", "decode b1 eager (tokens/s)", "decode b2 eager (tokens/s)")
 GRAPH_ROWS = ("decode b1 graphs (tokens/s)", "decode b2 graphs (tokens/s)")
+# What a dry run on the CPU measures: every model but the Triton probe, which needs a GPU.
+ON_CPU_COMPILED = cuda_benchmark.models_on("cpu", cuda_benchmark.COMPILE_ORDER)
+UNCOMPILED_ON_CPU = set(cuda_benchmark.models_on("cpu", cuda_benchmark.MODELS)) - {
+    *cuda_benchmark.TRAIN_ONLY_MODELS, *cuda_benchmark.GRAPHS_ONLY_MODELS}
 
 
 def run_script(*args, cwd):
@@ -77,7 +81,7 @@ def test_the_dry_runs_json_has_the_suites_metadata_and_one_compilation_per_compi
         record = figures[key]
         assert record["errors"] == {} and record["left_out"] == []
         # Each model's step compiles once, in its first sample's warm-up, and never again.
-        assert record["graphs_compiled"] == {name: [1, 0] for name in cuda_benchmark.COMPILE_ORDER}
+        assert record["graphs_compiled"] == {name: [1, 0] for name in ON_CPU_COMPILED}
     # The markdown is the JSON's: rendered again, it is the same file.
     before = (out / "cuda.md").read_text()
     suite.render_file(out / "cuda.json", echo=False)
@@ -104,8 +108,7 @@ def test_the_budget_leaves_out_what_would_not_fit_and_writes_what_was_measured(t
     plan = cuda_benchmark.Plan.dry_run("cpu", figures=("eager", "graphs"), batches=(1,), max_seconds=300, **too_long)
     cuda_benchmark.run(plan, tmp_path, "budget")
     figures = json.loads((tmp_path / "budget.json").read_text())["shapes"]["tiny"]["figures"]
-    beyond_training = set(cuda_benchmark.MODELS) - set(cuda_benchmark.TRAIN_ONLY_MODELS)
-    assert set(figures["eager b1"]["samples"]) == beyond_training
+    assert set(figures["eager b1"]["samples"]) == UNCOMPILED_ON_CPU
     assert figures["graphs b1"]["samples"] == {} and figures["graphs b1"]["left_out"] == list(plan.graph_models)
     table = (tmp_path / "budget.md").read_text()
     assert "| tiny | decode b1 eager (tokens/s) |" in table and "graphs (tokens/s)" not in table
@@ -114,7 +117,7 @@ def test_the_budget_leaves_out_what_would_not_fit_and_writes_what_was_measured(t
     # No time at all: nothing starts, and the file still says what was left out.
     cuda_benchmark.run(cuda_benchmark.Plan.dry_run("cpu", figures=("prefill",), max_seconds=0), tmp_path, "none")
     record = json.loads((tmp_path / "none.json").read_text())["shapes"]["tiny"]["figures"]["prefill"]
-    assert record["samples"] == {} and set(record["left_out"]) == beyond_training
+    assert record["samples"] == {} and set(record["left_out"]) == UNCOMPILED_ON_CPU
 
 
 def made_up_results(figures: dict) -> dict:
@@ -138,7 +141,7 @@ def test_a_ratio_inside_either_sides_spread_is_unreadable_and_the_targets_say_so
         "eager b1": {"llama": column([100, 102, 101], eager), "llama 2x heads": column([95, 96, 97], eager),
                      "diff-llama v2": column([90, 91, 92], eager), "diff-llama": column([99, 120, 100], eager)},
         "graphs b1": {"llama": column([200, 200, 200], graphs), "diff-llama v2": column([195, 196, 196], graphs),
-                      "diff-llama": column([150], graphs)},
+                      "diff-llama v2 fused": column([180, 181, 182], graphs), "diff-llama": column([150], graphs)},
         "train": {"llama": column([5.0, 5.0], memory), "diff-llama": column([6.0, 6.0], memory),
                   "diff-llama paired": column([5.5, 5.5], memory)},
     })
@@ -147,12 +150,16 @@ def test_a_ratio_inside_either_sides_spread_is_unreadable_and_the_targets_say_so
     table = (tmp_path / "t.md").read_text()
     rows = table_rows(table, "llama-3.2-1b")
     # 91/101 = 0.90x outside both spreads (1.02); 100/101 = 0.99x inside v1's 120/99; 95/101 inside nobody's.
-    assert rows[eager][5:] == ["0.95x", "0.90x", "0.99x unreadable", "–"]
+    # Columns: llama, llama 2x heads, diff-llama v2, diff-llama v2 fused, diff-llama, diff-llama paired, then the
+    # ratios of all but llama.
+    assert rows[eager][6:] == ["0.95x", "0.90x", "–", "0.99x unreadable", "–"]
     assert rows[eager][0] == "101 (1.02, n=3)"
-    assert rows[graphs] == ["200 (1.00, n=3)", "error", "196 (1.01, n=3)", "150 (1.00, n=1)", "–", "–", "0.98x",
-                            "0.75x unreadable", "–"]  # n = 1: no spread, so no reading
-    assert rows[memory][7:] == ["1.20x", "1.10x"]
+    assert rows[graphs] == ["200 (1.00, n=3)", "error", "196 (1.01, n=3)", "181 (1.01, n=3)", "150 (1.00, n=1)", "–",
+                            "–", "0.98x", "0.91x", "0.75x unreadable", "–"]  # n = 1: no spread, so no reading
+    assert rows[memory][9:] == ["1.20x", "1.10x"]
     assert "- llama-3.2-1b, decode b1 graphs (tokens/s): DIFF V2 0.98x of llama, target ≥ 0.95x: met" in table
+    assert ("- llama-3.2-1b, decode b1 graphs (tokens/s): probe, DIFF V2 with λ, both maps and the subtraction in one "
+            "kernel 0.91x of llama, ≥ 0.95x: not met") in table
     assert ("- llama-3.2-1b, decode b1 eager (tokens/s): DIFF V2 0.90x of llama, target ≥ llama 2x heads' 0.95x: "
             "not met") in table
     assert ("- llama-3.2-1b, train peak memory (GiB): version 1 (diff-llama) 1.20x of llama, target ≤ 1.15x: not met"
@@ -186,11 +193,10 @@ def test_eager_decoding_stops_at_its_rounds_and_the_graphs_targets_give_the_boun
     plan = cuda_benchmark.Plan.dry_run("cpu", figures=("eager", "graphs"), batches=(1,), rounds=3, eager_rounds=2)
     cuda_benchmark.run(plan, tmp_path, "capped")
     figures = json.loads((tmp_path / "capped.json").read_text())["shapes"]["tiny"]["figures"]
-    beyond_training = set(cuda_benchmark.MODELS) - set(cuda_benchmark.TRAIN_ONLY_MODELS)
     assert {name: len(samples) for name, samples in figures["eager b1"]["samples"].items()} == dict.fromkeys(
-        beyond_training, 2)
+        UNCOMPILED_ON_CPU, 2)
     assert {name: len(samples) for name, samples in figures["graphs b1"]["samples"].items()} == dict.fromkeys(
-        cuda_benchmark.COMPILE_ORDER, 3)
+        ON_CPU_COMPILED, 3)
     table = (tmp_path / "capped.md").read_text()
     assert "4 greedy steps timed" in table  # the dry run times as many eager steps as compiled ones
     (target,) = [line for line in table.splitlines() if line.startswith("- tiny, decode b1 graphs (tokens/s): DIFF V2")]

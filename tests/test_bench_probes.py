@@ -40,6 +40,22 @@ def test_the_fold_probe_computes_diff_v2_and_counts_fewer_ops():
         assert sum(step_ops(model, 1).values()) < shipped_ops
 
 
+def test_the_compiled_kernel_count_reads_inductors_code():
+    """decode_ops --kernels counts what inductor generated for a decoding step (seconds of C++ compilation): a Llama
+    with twice the query heads runs the same kernels, DIFF V2 one more matrix product a layer (λ's), and every model
+    one SDPA or its own attention products a layer."""
+    import torch
+
+    from decode_ops import compiled_kernels
+
+    found = compiled_kernels(1, torch.float32, layers=1)["models"]
+    llama, v2 = found["llama"], found["diff-llama v2"]
+    assert found["llama 2x heads"] == llama
+    assert v2["extern"]["extern_kernels.mm"] == llama["extern"]["extern_kernels.mm"] + 1
+    assert llama["extern"]["torch.ops.aten._scaled_dot_product_flash_attention_for_cpu"] == 1
+    assert llama["fused"] > 0 and v2["fused"] >= llama["fused"]
+
+
 def test_storage_counter_counts_each_storage_once_while_it_lives():
     import torch
 
