@@ -292,7 +292,8 @@ def test_evaluate_command_writes_json_table_and_plot(tmp_path, tokenizer, capsys
     assert "| llama | softmax |" in table and "N=3, R=2" in table and "0% answer ↑" in table
     assert "McNemar" in table and "| llama | diff | 250 | " in table and "| llama | diff | all | " in table
     assert (out / "retrieval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "Wrote" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "Wrote" in captured.out and "Warning" not in captured.err  # 350 tokens: inside both models' 512
     lines = (out / "cases.jsonl").read_text().splitlines()
     assert len(lines) == 16 and json.loads(lines[-1])["model"] == "diff"
     a = report["models"][0]["summary"]["allocation"]
@@ -325,6 +326,18 @@ def test_evaluate_command_writes_json_table_and_plot(tmp_path, tokenizer, capsys
         join_lengths([at[250], dict(at[350], models=at[350]["models"][::-1])])
     # Options are validated.
     assert main(["evaluate", str(tmp_path / "llama"), "--output", str(out), "--settings", "2"]) == 2
+
+
+def test_a_length_past_the_models_context_is_warned_of_not_refused(capsys):
+    from diff_llama.retrieval.evaluate import warn_past_context
+
+    model = tiny_llama(128)  # max_position_embeddings 512
+    warn_past_context(model, [256, 512], "small")
+    assert capsys.readouterr().err == ""
+    warn_past_context(model, [256, 1024, 4096], "small")
+    err = capsys.readouterr().err
+    assert "small has a context of 512 tokens" in err and "--lengths 1024 4096 run past it" in err
+    assert "256" not in err
 
 
 def test_evaluate_help_lists_the_options(capsys):

@@ -77,6 +77,17 @@ def evaluate_model(model, tokenizer, options: RetrievalArguments, name: str = "m
     return report
 
 
+def warn_past_context(model, lengths: list[int], name: str) -> None:
+    """Say so when a length runs past the context the model was configured for: its retrieval there measures
+    extrapolation, which may be the point of the run, so this warns rather than refuses."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    beyond = [length for length in lengths if context and length > context]
+    if beyond:
+        print(f"Warning: {name} has a context of {context} tokens (max_position_embeddings); --lengths "
+              f"{' '.join(map(str, beyond))} run past it, so its results there measure extrapolation.",
+              file=sys.stderr)
+
+
 def run_description(models: list[str], names: list[str], options: RetrievalArguments) -> dict:
     """What an interrupted run must share with the rerun that resumes it (kept in the output folder's marker)."""
     return {"models": [str(Path(m).resolve()) if Path(m).exists() else m for m in models], "names": list(names),
@@ -155,6 +166,7 @@ def evaluate_models(models: list[str], options: RetrievalArguments, overwrite: b
         try:
             for source, name in zip(models, names):
                 model, tokenizer = load_model(source, options.dtype, options.device)
+                warn_past_context(model, options.lengths, name)
                 entry = evaluate_model(model, tokenizer, options, name, progress_file=progress_file, scored=scored)
                 scored = scored[len(entry["cases"]):]
                 entry["source"] = source

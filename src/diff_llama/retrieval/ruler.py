@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from ..errors import UserError
 from ..options import RulerOptions
-from .evaluate import run_description, display_name, interrupted_run
+from .evaluate import display_name, interrupted_run, run_description, warn_past_context
 from .ruler_cases import build_ruler_cases, case_file_contents, read_case_file, ruler_prompt, write_case_file
 from .scoring import greedy_answer
 from .statistics import mean_or_none, paired_comparison
@@ -194,6 +194,7 @@ def ruler_models(models: list[str], options: RulerOptions, overwrite: bool = Fal
         try:
             for source, name in zip(models, names):
                 model, tokenizer = load_model(source, options.dtype, options.device)
+                warn_past_context(model, contents["lengths"], name)
                 entry = score_model(model, tokenizer, contents["cases"], options, name, progress_file, scored)
                 scored = scored[len(entry["cases"]):]
                 report["models"].append({"source": source, **entry})
