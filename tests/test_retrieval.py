@@ -340,6 +340,19 @@ def test_a_length_past_the_models_context_is_warned_of_not_refused(capsys):
     assert "256" not in err
 
 
+def test_the_plot_of_a_run_without_attention_says_so_and_warns_of_nothing(tmp_path):
+    import warnings
+
+    from diff_llama.retrieval.report import plot_report
+
+    summary = {"accuracy_by_depth": {"0": 1.0, "100": 0.5}, "accuracy_by_length": {"250": 0.75}, "allocation": None}
+    report = {"options": {"depths": [0.0, 100.0], "lengths": [250]}, "models": [{"name": "a", "summary": summary}]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path = plot_report(report, tmp_path / "retrieval.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_evaluate_help_lists_the_options(capsys):
     from diff_llama_cli import main as entry_point
 

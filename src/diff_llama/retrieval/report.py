@@ -128,9 +128,12 @@ def plot_report(report: dict, output: str | Path) -> Path:
     axes[1].set_xticks(options["lengths"], [str(k) for k in options["lengths"]])
     axes[2].set(xlabel="depth of the answer needle (%)", ylabel="share of attention (mean over layers, heads)",
                 title="attention allocation")
+    if not any(m["summary"]["allocation"] for m in report["models"]):
+        axes[2].text(0.5, 0.5, "not measured (--no-attention)", ha="center", va="center", transform=axes[2].transAxes)
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # an empty panel gets no legend (matplotlib would warn)
+            ax.legend(fontsize=7)
     return save_png(fig, output)
 
 
