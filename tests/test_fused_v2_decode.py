@@ -156,6 +156,32 @@ def test_a_model_with_the_fused_forward_decodes_the_references_logits(fused, mon
 
 
 @needs_a_kernel_runner
+def test_without_padding_the_fused_forward_decodes_the_shipped_models_logits(fused):
+    """No attention mask at all, as a benchmark's prompt has: the static cache's empty tail must still be masked."""
+    from transformers import StaticCache
+
+    from diff_llama.compat_diff_llama import CACHE_NAME
+
+    model = differential_model(2, dtype=torch.float32, heads=8, kv_heads=2, head_dim=16).to(DEVICE)
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+
+    def decode():
+        cache = StaticCache(config=model.config, max_cache_len=32)
+        with torch.no_grad():
+            logits = [model(ids[:, :4], use_cache=True, **{CACHE_NAME: cache}).logits]
+            for t in range(4, ids.shape[1]):
+                position = torch.full((2, 1), t, device=DEVICE)
+                logits.append(model(ids[:, t : t + 1], position_ids=position, use_cache=True,
+                                    **{CACHE_NAME: cache}).logits)
+        return torch.cat(logits, dim=1)
+
+    shipped = decode()
+    fused.install(model)
+    torch.testing.assert_close(decode(), shipped, rtol=0, atol=1e-5)
+
+
+@needs_a_kernel_runner
 def test_install_refuses_a_model_without_diff_v2_attention(fused):
     with pytest.raises(ValueError, match="no DIFF V2 attention"):
         fused.install(differential_model(1, dtype=torch.float32))
