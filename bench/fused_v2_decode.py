@@ -7,7 +7,8 @@ forward runs two kernels a layer that Llama's does not (λ's float32 product, th
 SDPA): about Llama's step plus 2/15 of it, the 0.86x–0.90x measured on the H200 (2026-11-27). Neither can fold into
 cuBLAS's products or SDPA's kernel without changing λ's precision. Here they live inside the attention kernel, so a
 layer runs as many kernels as Llama's: what is left is V2's doubled q_proj. If this probe reaches 0.95x, that is the
-way to the target; if it does not, the target is out of reach of any forward with V2's weights.
+way to the target; if it does not, it bounds the target only as far as this kernel goes (a split over the keys,
+flash-decoding style, would be the next try).
 
 A probe, not a kernel of the package: one token per sequence, every query head's group holds whole pairs (even
 H / G: DIFF V2 conversions always have it), a boolean or absent mask shared by the heads, no dropout or softcap.
