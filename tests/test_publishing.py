@@ -86,6 +86,32 @@ def test_push_command_dry_run_and_errors(tmp_path, converted, capsys, online):
     assert "no such folder" in capsys.readouterr().err
 
 
+def test_the_dry_run_lists_what_push_writes_for_a_folder_without_a_readme(converted, online, capsys):
+    (converted / "README.md").unlink()
+    assert main(["push", str(converted), "alice/x", "--dry-run"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert "README.md" in listed  # the card built for alice/x
+    with FakeHub() as hub:
+        push(converted, "alice/x", token="hf_fake", endpoint=hub.endpoint)
+        assert sorted(hub.repos["alice/x"]["files"]) == listed
+    assert main(["push", str(converted), "alice/x", "--dry-run", "--keep-card"]) == 0
+    assert "README.md" not in capsys.readouterr().out.split()  # the folder's own card, which it does not have
+
+
+@pytest.mark.parametrize("repo_id", ["your-name/team/model", "my model", "", "team/model-", "a/" + "b" * 97])
+def test_push_refuses_a_repository_id_the_hub_would_refuse_before_anything_else(converted, repo_id, online, capsys):
+    with FakeHub() as hub:
+        for dry_run in ([], ["--dry-run"]):
+            assert main(["push", str(converted), repo_id, "--token", "hf_fake", *dry_run]) == 2
+            err = capsys.readouterr().err.strip()
+            assert err == (f"diff-llama push: error: {repo_id!r} is not a Hub repository id: give owner/name (or name, "
+                           "in your own namespace), each part letters, digits, '-', '_' or '.', at most 96 characters, "
+                           "e.g. your-name/SmolLM2-135M-diff")
+        with pytest.raises(UserError, match="is not a Hub repository id"):
+            push(converted, repo_id, token="hf_fake", endpoint=hub.endpoint)
+        assert not hub.repos
+
+
 def test_push_names_the_cause_and_the_fix_for_an_adapter(tmp_path, capsys):
     from peft import get_peft_model
 

@@ -223,6 +223,16 @@ def test_serve_a_hub_id_without_the_hub_fails_in_one_line_within_seconds(tmp_pat
     assert "is not reachable" in err
 
 
+@pytest.mark.parametrize("port", ["0", "65536", "99999", "-1"])
+def test_serve_refuses_a_port_outside_tcps_range_before_loading(model_dir, port, capsys):
+    """Uvicorn announced "running on http://localhost:99999" for a port no client can reach."""
+    from diff_llama.cli import main
+
+    assert main(["serve", str(model_dir), "--port", port]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"diff-llama serve: error: --port {port}: a TCP port is between 1 and 65535; give one such as 8000"
+
+
 def test_the_server_loads_a_diff_llamas_tokenizer_without_asking_for_processor_files(model_dir):
     """AutoProcessor asks for image and video processor files first: from a Hub id, a request each (a minute of
     retries each without network). A DiffLlama reads text only."""

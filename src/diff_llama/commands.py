@@ -132,11 +132,12 @@ def serve(model, options: o.ServeOptions) -> int:
 
 
 def push(model, repo_id, options: o.PushOptions) -> int:
-    from .publishing import check_publishable, files_to_upload, push
+    from .publishing import check_publishable, check_repo_id, files_to_upload, push
 
+    check_repo_id(repo_id)
     check_publishable(model)
     if options.dry_run:
-        print("\n".join(files_to_upload(model)))
+        print("\n".join(files_to_upload(model, options.keep_card)))
         return 0
     url = push(model, repo_id, private=options.private, token=options.token, keep_card=options.keep_card)
     print(f"Uploaded: {url}")

@@ -423,5 +423,7 @@ class ServeOptions:
         "must divide by it"})
 
     def __post_init__(self):
+        if not 1 <= self.port <= 65535:
+            raise UserError(f"--port {self.port}: a TCP port is between 1 and 65535; give one such as 8000")
         if self.request_timeout < 0:
             raise UserError(f"--request-timeout must be 0 (no limit) or more seconds, not {self.request_timeout:g}")

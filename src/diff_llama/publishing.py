@@ -40,13 +40,29 @@ def check_publishable(folder: str | Path) -> dict:
     return config
 
 
-def files_to_upload(folder: str | Path) -> list[str]:
-    """The paths, relative to `folder`, that `push` uploads (sorted)."""
+def files_to_upload(folder: str | Path, keep_card: bool = False) -> list[str]:
+    """The paths in the repository that `push` writes (sorted): the folder's files, relative to it, and README.md,
+    which is the model card built for the repository unless `keep_card` (then the folder's own, if it has one)."""
     from huggingface_hub.utils import filter_repo_objects
 
     folder = Path(folder)
-    paths = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()]
+    paths = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+    if not keep_card:
+        paths.add("README.md")
     return sorted(filter_repo_objects(paths, ignore_patterns=IGNORE_PATTERNS))
+
+
+def check_repo_id(repo_id: str) -> None:
+    """One line naming the rule, before anything is read or sent, for a repository id the Hub would refuse."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise UserError(f"{repo_id!r} is not a Hub repository id: give owner/name (or name, in your own namespace), "
+                        "each part letters, digits, '-', '_' or '.', at most 96 characters, e.g. "
+                        "your-name/SmolLM2-135M-diff") from None
 
 
 def require_hub(repo_id: str, endpoint: str | None = None) -> None:
@@ -70,9 +86,10 @@ def push(folder: str | Path, repo_id: str, *, private: bool = False, token: str 
     from huggingface_hub import CommitOperationAdd, HfApi
 
     folder = Path(folder)
+    check_repo_id(repo_id)
     check_publishable(folder)
     require_hub(repo_id, endpoint)  # before the repository is created: nothing is left half-made
-    paths = files_to_upload(folder)
+    paths = files_to_upload(folder, keep_card)
     operations = [CommitOperationAdd(path, str(folder / path)) for path in paths if keep_card or path != "README.md"]
     if not keep_card:
         card = str(build_model_card(folder, repo_id=repo_id)).encode()
