@@ -259,3 +259,45 @@ def test_a_failed_run_leaves_no_folder_it_created(tmp_path, capsys, monkeypatch)
         with new_output_folder("kept/run", command="evaluate"):
             raise RuntimeError("the models did not load")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["kept"] and not any((tmp_path / "kept").iterdir())
+
+
+@pytest.mark.parametrize("command", OVERWRITE_COMMANDS)
+def test_an_output_under_a_file_is_one_line_naming_the_file(tmp_path, model_dir, llama_dir, capsys, command):
+    """Refused before any model is read."""
+    (tmp_path / "notes.txt").write_text("mine")
+    out = tmp_path / "notes.txt" / "out"
+    model = llama_dir if command == "convert" else model_dir
+    argv = [part.format(model=model, out=out) for part in OVERWRITE_COMMANDS[command]]
+    err = _fails_in_one_line(capsys, argv)
+    assert err.endswith(f"error: cannot create the folder {out}: {tmp_path / 'notes.txt'} is a file; choose a place "
+                        "you can write to"), err
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where no folder can be made")
+def test_an_output_the_file_system_will_not_hold_is_one_line(llama_dir, capsys):
+    for overwrite in ([], ["--overwrite"]):  # in place, and through the hidden temporary folder of a replacement
+        err = _fails_in_one_line(capsys, ["convert", str(llama_dir), "/proc/diff-llama-out", *overwrite])
+        assert err.endswith("error: cannot create the folder /proc/diff-llama-out: No such file or directory; choose a "
+                            "place you can write to"), err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a device that is always full")
+def test_a_full_disk_during_conversion_is_one_line_and_leaves_nothing(tmp_path, llama_dir, capsys, monkeypatch):
+    """The weights are written to /dev/full, so the kernel itself refuses them (ENOSPC), as a full disk would."""
+    import builtins
+
+    from diff_llama.conversion import writer
+
+    def full_disk_for_writes(path, mode="r", *args, **kwargs):
+        return builtins.open("/dev/full" if "w" in mode else path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(writer, "open", full_disk_for_writes, raising=False)
+    capsys.readouterr()
+    assert main(["convert", str(llama_dir), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "bug" not in err
+    progress, err = err.strip().rsplit("\n", 1)  # the progress bar, closed before the error is printed
+    assert progress.startswith("converting") and err == ("diff-llama convert: error: No space left on device; free some space, or choose a place with more, "
+                   "and run it again"), err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["llama"]  # no output, no hidden partial folder

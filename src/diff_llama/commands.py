@@ -58,7 +58,7 @@ def generate(model, prompt, options: o.GenerateOptions) -> int:
 
 def attention_map(model, options: o.AttentionMapOptions) -> int:
     from .attention_maps import attention_maps, plot_head
-    from .output_folder import holds_files, write_marker
+    from .output_folder import holds_files, make_folder, write_marker
     from .resolve import load_causal_lm, load_config, load_tokenizer
 
     config = load_config(model)  # layer and head are checked before any weight is read
@@ -81,7 +81,7 @@ def attention_map(model, options: o.AttentionMapOptions) -> int:
         source = load_causal_lm(options.source, attn_implementation="eager")
         source_maps = attention_maps(source, tokenizer, options.text, options.layer)[0]
     if not holds_files(output):  # a folder of maps alone: a later --overwrite may replace them
-        output.mkdir(parents=True, exist_ok=True)
+        make_folder(output)
         write_marker(output, "attention-map")
     for head, path in zip(selected, paths):
         # Every conversion (both version-1 layouts and DIFF V2) makes LLaMA head i the first map of differential head i.
@@ -93,8 +93,12 @@ def attention_map(model, options: o.AttentionMapOptions) -> int:
 def check_map_folder(output: Path, existing: list[Path], overwrite: bool) -> None:
     """Maps of other layers or heads may share the folder (one that attention-map made): only the maps this run would
     replace are refused, and `overwrite` replaces them only in a folder of maps that diff-llama wrote."""
-    from .output_folder import holds_files, read_marker, replace_refusal
+    from .output_folder import check_creatable, holds_files, read_marker, replace_refusal
 
+    if output.is_file():
+        raise OutputExistsError(f"{output} is a file; give a folder for --output.")
+    if not output.exists():
+        check_creatable(output)
     refusal = replace_refusal(output) if existing else None
     if overwrite and refusal is not None:
         raise OutputExistsError(f"--overwrite refused: {refusal}.")

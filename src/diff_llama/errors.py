@@ -27,6 +27,11 @@ class OutputExistsError(UserError, FileExistsError):
     """An output path that this run may not write into or replace."""
 
 
+class OutputNotWritableError(UserError, OSError):
+    """An output folder that the file system will not let this run create (a parent that is a file, a read-only or
+    special file system, no permission)."""
+
+
 class MissingPackageError(UserError, ImportError):
     """An optional package that this use needs is not installed; the message gives the pip command."""
 

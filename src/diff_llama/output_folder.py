@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .errors import OutputExistsError
+from .errors import OutputExistsError, OutputNotWritableError
 
 # Written into every folder that evaluate, ruler, demo, attention-map and adapt create: the folder is ours to replace.
 MARKER = ".diff-llama-output"
@@ -159,6 +159,8 @@ def check_new_output(path: str | os.PathLike, fix: str = "choose a new folder", 
     path = Path(path)
     if path.is_file():
         raise OutputExistsError(f"{path} is a file; give a folder name that does not exist yet.")
+    if not path.exists():
+        check_creatable(path)
     if overwrite:
         refusal = replace_refusal(path, inputs, command) if path.exists() else None
         if refusal is not None:
@@ -174,6 +176,42 @@ def clear_output(path: str | os.PathLike, inputs=(), command: str | None = None)
     check_new_output(path, overwrite=True, inputs=inputs, command=command)
     for entry in Path(path).iterdir():
         shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+
+
+def check_creatable(path: str | os.PathLike) -> None:
+    """Before any work: one line when the folder `path` could not be made where it is asked for (a file above it, or
+    a folder above it that this user may not write in). What only the attempt shows is reported by `creating`."""
+    path = Path(path).absolute()
+    existing = next(each for each in path.parents if each.exists() or each == each.parent)
+    if existing.is_file() or (existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK)):
+        with creating(path):
+            raise PermissionError(13, "Permission denied")
+
+
+@contextlib.contextmanager
+def creating(output: str | os.PathLike):
+    """Around the creation of the folder `output` (or of a temporary folder beside it): what the file system refuses
+    becomes one line naming the folder asked for, not the temporary one."""
+    try:
+        yield
+    except OSError as error:
+        output = Path(output)
+        file_above = next((each for each in output.absolute().parents if each.is_file()), None)
+        if file_above is not None:
+            cause = f"{file_above} is a file"
+        elif isinstance(error, PermissionError):
+            cause = f"no permission to write in {next(each for each in output.absolute().parents if each.exists())}"
+        else:
+            cause = error.strerror or str(error)
+        raise OutputNotWritableError(f"cannot create the folder {output}: {cause}; choose a place you can write "
+                                     "to") from None
+
+
+def make_folder(path: str | os.PathLike) -> Path:
+    """`path` as a folder, with the folders above it, or one line saying why it cannot be made."""
+    with creating(path):
+        Path(path).mkdir(parents=True, exist_ok=True)
+    return Path(path)
 
 
 def _missing_folders(folder: Path) -> list[Path]:
@@ -204,7 +242,7 @@ def new_output_folder(path: str | os.PathLike, overwrite: bool = False, fix: str
             yield temporary
         return
     created = _missing_folders(Path(path).absolute())
-    Path(path).mkdir(parents=True, exist_ok=True)
+    make_folder(path)
     if command is not None:
         write_marker(path, command, **marker_details)
     try:
@@ -247,8 +285,14 @@ class AtomicOutputFolder:
         self.created_parents = _missing_folders(self.output.parent)
 
     def __enter__(self) -> Path:
-        self.output.parent.mkdir(parents=True, exist_ok=True)
-        self.path = Path(tempfile.mkdtemp(prefix=_temporary_prefix(self.output, "partial"), dir=self.output.parent))
+        try:
+            with creating(self.output):
+                self.output.parent.mkdir(parents=True, exist_ok=True)
+                self.path = Path(tempfile.mkdtemp(prefix=_temporary_prefix(self.output, "partial"),
+                                                  dir=self.output.parent))
+        except OutputNotWritableError:
+            _remove_empty(self.created_parents)
+            raise
         return self.path
 
     def __exit__(self, exc_type, exc, tb):

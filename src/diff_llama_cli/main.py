@@ -1,11 +1,13 @@
 """Running `diff-llama`: the overview, `--version`, and each command, with its errors reported.
 
 A problem with the input (`diff_llama.errors.UserError`, raised where the input is judged) reaches the terminal as one
-line that says how to fix it, with exit code 2. Anything else is a bug: it keeps its traceback, followed by one line
-asking to report it, and exits with code 1. DIFF_LLAMA_TRACEBACK=1 raises every error, user errors included.
+line that says how to fix it, with exit code 2. The file system's refusals (no space left, a read-only file system,
+no permission) are one line too, with exit code 1: the machine's state, not a bug. Anything else is a bug: it keeps its
+traceback, followed by one line asking to report it, and exits with code 1. DIFF_LLAMA_TRACEBACK=1 raises every error, user errors included.
 """
 
 import difflib
+import errno
 import importlib
 import os
 import re
@@ -15,6 +17,16 @@ import traceback
 from .command_table import COMMANDS, DESCRIPTION, PROG
 from .library import errors
 from .parser import UsageError, parse
+
+
+# errno values of a file operation refused by the file system, with what to do about each.
+FILE_SYSTEM_REFUSALS = {
+    errno.ENOSPC: "free some space, or choose a place with more, and run it again",
+    errno.EDQUOT: "free some space, or choose a place with more, and run it again",
+    errno.EROFS: "choose a place you can write to",
+    errno.EACCES: "choose a place you may write to (or a file you may read)",
+    errno.EPERM: "choose a place you may write to (or a file you may read)",
+}
 
 
 def version() -> str:
@@ -78,6 +90,10 @@ def main(argv=None) -> int:
         if isinstance(error, errors.UserError):
             print(f"{prefix}: error: {' '.join(str(error).split())}", file=sys.stderr)
             return 2
+        if isinstance(error, OSError) and not isinstance(error, errors.UserError) and error.errno in FILE_SYSTEM_REFUSALS:
+            where = f" ({error.filename})" if error.filename else ""
+            print(f"{prefix}: error: {error.strerror}{where}; {FILE_SYSTEM_REFUSALS[error.errno]}", file=sys.stderr)
+            return 1
         traceback.print_exc()
         print(f"{prefix}: this is a bug in diff-llama; please report it with the traceback above", file=sys.stderr)
         return 1

@@ -36,7 +36,7 @@ def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: st
     """`diff-llama adapt MODEL OUTPUT [options]` (declared in `diff_llama_cli`). Under `accelerate launch` every
     process trains; the main one checks and writes OUTPUT. With `overwrite`, the earlier run in OUTPUT is removed
     once the model has loaded (the new one writes its checkpoints there, for --resume)."""
-    from ..output_folder import clear_output, write_marker
+    from ..output_folder import clear_output, make_folder, write_marker
     from ..resolve import load_model, save_tokenizer
     from ..retrieval import display_name
 
@@ -51,7 +51,7 @@ def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: st
     if main_process and not options.resume:
         if overwrite and output.is_dir():
             clear_output(output, inputs=[model_name], command="adapt")
-        output.mkdir(parents=True, exist_ok=True)
+        make_folder(output)
         write_marker(output, "adapt")  # a later --overwrite may replace the folder
     history = adapt(model, tokenizer, options, output, name=name)
     if not main_process:

@@ -261,19 +261,19 @@ def write_weights(src: LlamaSource, version: VersionConversion, options: Convers
     writer = StreamingSafetensorsWriter(folder, version.write_plan(out_dtype), max_shard_bytes)
     out = LayerOutput(src, writer, out_dtype, config.head_dim)
     # Layers are the unit of work (calibration takes seconds per layer, streaming milliseconds): count them, ETA.
-    bar = tqdm(total=config.num_hidden_layers, unit="layer", disable=not progress,
-               desc="converting and calibrating" if version.calibrating else "converting")
-
-    layer_diagnostics = []
-    out.copy("model.embed_tokens.weight", keep=False)
-    for layer in range(config.num_hidden_layers):
-        if runner is None:  # nothing runs the model: stream, copying stored bytes wherever possible
-            version.stream_layer(layer, out)
-        else:
-            diagnostics = version.run_layer(layer, out, runner)
-            if diagnostics is not None:
-                layer_diagnostics.append(diagnostics)
-        bar.update(1)
+    # A context: a failure closes the bar before its error is printed, not across it.
+    with tqdm(total=config.num_hidden_layers, unit="layer", disable=not progress,
+              desc="converting and calibrating" if version.calibrating else "converting") as bar:
+        layer_diagnostics = []
+        out.copy("model.embed_tokens.weight", keep=False)
+        for layer in range(config.num_hidden_layers):
+            if runner is None:  # nothing runs the model: stream, copying stored bytes wherever possible
+                version.stream_layer(layer, out)
+            else:
+                diagnostics = version.run_layer(layer, out, runner)
+                if diagnostics is not None:
+                    layer_diagnostics.append(diagnostics)
+            bar.update(1)
 
     evaluate = options.evaluate
     norm = out.copy("model.norm.weight", keep=evaluate)
@@ -282,7 +282,6 @@ def write_weights(src: LlamaSource, version: VersionConversion, options: Convers
     else:
         lm_head = out.copy("lm_head.weight", keep=evaluate)
     writer.close()
-    bar.close()
     quality = runner.quality(norm, lm_head, config.rms_norm_eps) if evaluate else {}
     return layer_diagnostics, quality
 

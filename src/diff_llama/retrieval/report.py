@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..options import RetrievalArguments
+from ..output_folder import make_folder
 from .cases import CATEGORIES
 from .statistics import paired_comparison
 
@@ -139,8 +140,7 @@ def plot_report(report: dict, output: str | Path) -> Path:
 
 def write_report(report: dict, output: str | Path) -> dict:
     """Write retrieval.json, retrieval.md and retrieval.png into the folder `output`."""
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
+    output = make_folder(output)
     (output / "retrieval.json").write_text(json.dumps(report, indent=1))
     (output / "retrieval.md").write_text(markdown_report(report))
     plot_report(report, output / "retrieval.png")
