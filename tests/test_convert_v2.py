@@ -151,3 +151,20 @@ def test_diff_v2_is_the_default_and_refuses_version_1_options(tmp_path, tokenize
     # `--calibration none` says what DIFF V2 does anyway, so it is accepted
     assert main(["convert", str(source), str(tmp_path / "v2"), "--calibration", "none", "--no-evaluate"]) == 0
     assert json.loads((tmp_path / "v2" / "config.json").read_text())["diff_version"] == 2
+
+
+@pytest.mark.parametrize("options, says", [
+    (["--seq-len", "0"], "--seq-len must be 1 or more tokens, not 0."),
+    (["--max-shard-size", "12XB"], "--max-shard-size '12XB' is not a size: give a number with a unit, such as 500MB"),
+    (["--max-shard-size", "0"], "--max-shard-size '0' is not a size"),
+    (["--diff-version", "1", "--head-norm-headroom", "-1"], "--head-norm-headroom must be 0 (keep rms_norm_eps) or"),
+])
+def test_convert_refuses_an_option_out_of_range_before_reading_the_source(tmp_path, tokenizer, capsys, options, says):
+    """Each of these failed inside the conversion with a traceback, or (a negative headroom) made a worse model
+    without a word."""
+    source = make_llama(tmp_path / "llama", tokenizer)
+    capsys.readouterr()
+    assert main(["convert", str(source), str(tmp_path / "out"), *options]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and says in err, err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["llama"]

@@ -128,6 +128,18 @@ def check_options(options: ConversionOptions) -> None:
         raise ConversionError(f"unknown lambda start {options.lambda_start!r}; use zero or paper.")
     if options.diff_version not in (1, 2):
         raise ConversionError(f"unknown diff version {options.diff_version!r}; use 1 (the paper's) or 2 (DIFF V2).")
+    if options.seq_len < 1:
+        raise ConversionError(f"--seq-len must be 1 or more tokens, not {options.seq_len}.")
+    if options.head_norm_headroom < 0:
+        raise ConversionError(f"--head-norm-headroom must be 0 (keep rms_norm_eps) or more, not "
+                              f"{options.head_norm_headroom:g}.")
+    try:
+        shard_bytes = convert_file_size_to_int(options.max_shard_size)
+    except ValueError:
+        shard_bytes = None
+    if not isinstance(shard_bytes, int) or shard_bytes < 1:
+        raise ConversionError(f"--max-shard-size {options.max_shard_size!r} is not a size: give a number with a unit, "
+                              "such as 500MB or 5GB.")
     if options.diff_version != 2:
         return
     defaults = ConversionOptions()
