@@ -93,7 +93,7 @@ def test_adapt_refuses_long_examples_it_cannot_draw(chat_tokenizer):
     model = tiny_model(vocab_size=len(chat_tokenizer))
     for bad in (dict(long_length=SMALL["max_length"]), dict(long_length=900, long_fraction=0.0),
                 dict(long_length=900, long_fraction=1.5)):
-        with pytest.raises(ValueError, match="long_length > max_length and 0 < long_fraction <= 1"):
+        with pytest.raises(ValueError, match="--long-length above --max-length and --long-fraction above 0 and at most 1"):
             adapt(model, chat_tokenizer, AdaptationOptions(**SMALL, **bad))
 
 
@@ -120,7 +120,7 @@ def test_differential_parameters_can_warm_up_on_their_own_schedule():
     assert learning_rate_factor(0, options) == 0.5  # the shared schedule is unchanged
     shared = AdaptationOptions(max_steps=10, warmup_steps=2)
     assert [differential_factor(s, shared) for s in range(10)] == [learning_rate_factor(s, shared) for s in range(10)]
-    with pytest.raises(ValueError, match="differential_warmup_steps must be between 0 and max_steps"):
+    with pytest.raises(ValueError, match="--differential-warmup-steps must be between 0 and --max-steps"):
         check_options(AdaptationOptions(max_steps=10, differential_warmup_steps=11))
 
 
@@ -205,7 +205,7 @@ def test_adapt_refuses_more_frozen_layers_than_it_can_train(chat_tokenizer):
     model = tiny_model(vocab_size=len(chat_tokenizer), max_position_embeddings=1024)
     layers = len(model.model.layers)
     for bad in (layers, -1):
-        with pytest.raises(ValueError, match="frozen_layers must be"):
+        with pytest.raises(ValueError, match="--frozen-layers must be"):
             adapt(model, chat_tokenizer, AdaptationOptions(frozen_layers=bad, **SMALL))
 
 
@@ -249,7 +249,7 @@ def test_second_heads_of_diff_v2_pairs_take_their_own_learning_rate():
 def test_adapt_refuses_learning_rates_it_cannot_use(chat_tokenizer):
     model = tiny_model(vocab_size=len(chat_tokenizer), diff_version=2)
     for bad in (dict(learning_rate=0.0), dict(differential_learning_rate=-1e-3)):
-        with pytest.raises(ValueError, match="learning_rate > 0 and differential_learning_rate >= 0"):
+        with pytest.raises(ValueError, match="--learning-rate above 0 and --differential-learning-rate 0 or more"):
             adapt(model, chat_tokenizer, AdaptationOptions(**bad, **SMALL))
 
 
@@ -293,8 +293,10 @@ def test_adapt_command_saves_a_model_that_reloads(tmp_path, chat_tokenizer, caps
 def test_adapt_command_checks_its_options_before_loading_a_model(tmp_path):
     # The model path does not exist: the option error comes first, and nothing is written.
     for flags, message in ((["--autocast", "fp8"], "unknown dtype 'fp8'"),
-                           (["--long-length", "1000"], "long_length > max_length"),
-                           (["--max-seconds", "0"], "max_seconds > 0")):
+                           (["--long-length", "1000"], "--long-length above --max-length"),
+                           (["--max-seconds", "0"], "--max-seconds must be above 0, not 0"),
+                           (["--max-steps", "0"], "--max-steps must be 1 or more, not 0"),
+                           (["--min-length", "5000"], r"--min-length \(5000\) is above --max-length \(4096\)")):
         with pytest.raises(ValueError, match=message):
             main([str(tmp_path / "no-such-model"), str(tmp_path / "out"), *flags])
     assert not (tmp_path / "out").exists()

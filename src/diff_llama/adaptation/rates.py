@@ -72,7 +72,7 @@ def freeze_lower_layers(model, count: int) -> list[torch.nn.Parameter]:
         return []
     layers = model.get_decoder().layers
     if not 0 < count < len(layers):
-        raise UserError(f"frozen_layers must be between 0 and {len(layers) - 1} (this model has {len(layers)} decoder "
+        raise UserError(f"--frozen-layers must be between 0 and {len(layers) - 1} (this model has {len(layers)} decoder "
                         f"layers), got {count}; set 0 to train every layer")
     modules = [model.get_input_embeddings(), *layers[:count]]
     frozen = [param for module in modules for param in module.parameters() if param.requires_grad]

@@ -8,7 +8,7 @@ import os
 import torch
 
 from ..errors import UserError
-from ..options import AdaptationOptions
+from ..options import AdaptationOptions, require_above_zero, require_at_least
 from ..precision import resolve_dtype
 
 
@@ -36,7 +36,7 @@ def world_size() -> int:
 def batch_size(options: AdaptationOptions) -> int:
     size = world_size() if options.batch_size is None else options.batch_size
     if size < 1 or size % world_size():
-        raise UserError(f"batch_size ({size}) must be a positive multiple of the number of processes "
+        raise UserError(f"--batch-size ({size}) must be a positive multiple of the number of processes "
                         f"({world_size()}): each process trains on an equal share of every step's examples; set "
                         f"--batch-size to a multiple of {world_size()}")
     return size
@@ -45,25 +45,26 @@ def batch_size(options: AdaptationOptions) -> int:
 def check_options(options: AdaptationOptions) -> None:
     """Raise ValueError, naming the values and the fix, for options `adapt` cannot train with (checked before a model
     is loaded)."""
-    if options.max_steps < 1 or options.min_length > options.max_length:
-        raise UserError("need max_steps >= 1 and min_length <= max_length")
+    require_at_least(1, max_steps=options.max_steps, min_length=options.min_length)
+    if options.min_length > options.max_length:
+        raise UserError(f"--min-length ({options.min_length}) is above --max-length ({options.max_length}); give a "
+                        "shortest example no longer than the longest")
     if options.long_length and (options.long_length <= options.max_length or not 0 < options.long_fraction <= 1):
-        raise UserError(f"long examples need long_length > max_length and 0 < long_fraction <= 1 (got long_length "
-                        f"{options.long_length}, max_length {options.max_length}, long_fraction "
-                        f"{options.long_fraction}); set long_length 0 to train without them")
+        raise UserError(f"long examples need --long-length above --max-length and --long-fraction above 0 and at "
+                        f"most 1 (got {options.long_length}, {options.max_length} and {options.long_fraction:g}); "
+                        "or --long-length 0 to train without them")
     own_warmup = options.differential_warmup_steps
     if own_warmup is not None and not 0 <= own_warmup <= options.max_steps:
-        raise UserError(f"differential_warmup_steps must be between 0 and max_steps ({options.max_steps}), got "
-                        f"{own_warmup}; leave it unset to share warmup_steps")
+        raise UserError(f"--differential-warmup-steps must be between 0 and --max-steps ({options.max_steps}), got "
+                        f"{own_warmup}; leave it unset to share --warmup-steps")
     if options.frozen_layers < 0:
-        raise UserError(f"frozen_layers must be 0 or more, got {options.frozen_layers}; set 0 to train every layer")
+        raise UserError(f"--frozen-layers must be 0 or more, got {options.frozen_layers}; 0 trains every layer")
     if options.learning_rate <= 0 or options.differential_learning_rate < 0:
-        raise UserError(f"need learning_rate > 0 and differential_learning_rate >= 0 (got {options.learning_rate} "
-                        f"and {options.differential_learning_rate}): the second query heads live in q_proj with the "
-                        "first, so their rate is applied as a multiple of learning_rate, which must be positive; set "
-                        "--learning-rate above 0 and --differential-learning-rate to 0 or more")
-    if not options.max_seconds > 0 or options.save_steps < 0:
-        raise UserError(f"need max_seconds > 0 and save_steps >= 0 (got {options.max_seconds} and "
-                        f"{options.save_steps})")
+        raise UserError(f"need --learning-rate above 0 and --differential-learning-rate 0 or more (got "
+                        f"{options.learning_rate:g} and {options.differential_learning_rate:g}): the second query "
+                        "heads live in q_proj with the first, so their rate is applied as a multiple of the learning "
+                        "rate, which must be positive")
+    require_above_zero(max_seconds=options.max_seconds)
+    require_at_least(0, save_steps=options.save_steps)
     batch_size(options)
     autocast_dtype(options)  # an unknown dtype
