@@ -178,14 +178,28 @@ def clear_output(path: str | os.PathLike, inputs=(), command: str | None = None)
         shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
 
+def _blocked_by(path: Path) -> str | None:
+    """Why no folder can be made at `path`, whatever is tried: a file above it, or a folder above it that this user
+    may not write in (None: neither)."""
+    existing = next(each for each in path.absolute().parents if each.exists() or each == each.parent)
+    if existing.is_file():
+        return f"{existing} is a file"
+    if existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+        return f"no permission to write in {existing}"
+    return None
+
+
+def _cannot_create(output: Path, cause: str) -> OutputNotWritableError:
+    return OutputNotWritableError(f"cannot create the folder {output}: {cause}; choose a place you can write to")
+
+
 def check_creatable(path: str | os.PathLike) -> None:
-    """Before any work: one line when the folder `path` could not be made where it is asked for (a file above it, or
-    a folder above it that this user may not write in). What only the attempt shows is reported by `creating`."""
+    """Before any work: one line when the folder `path` could not be made where it is asked for. What only the
+    attempt shows is reported by `creating`."""
     path = Path(path).absolute()
-    existing = next(each for each in path.parents if each.exists() or each == each.parent)
-    if existing.is_file() or (existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK)):
-        with creating(path):
-            raise PermissionError(13, "Permission denied")
+    cause = _blocked_by(path)
+    if cause is not None:
+        raise _cannot_create(path, cause)
 
 
 @contextlib.contextmanager
@@ -196,15 +210,7 @@ def creating(output: str | os.PathLike):
         yield
     except OSError as error:
         output = Path(output)
-        file_above = next((each for each in output.absolute().parents if each.is_file()), None)
-        if file_above is not None:
-            cause = f"{file_above} is a file"
-        elif isinstance(error, PermissionError):
-            cause = f"no permission to write in {next(each for each in output.absolute().parents if each.exists())}"
-        else:
-            cause = error.strerror or str(error)
-        raise OutputNotWritableError(f"cannot create the folder {output}: {cause}; choose a place you can write "
-                                     "to") from None
+        raise _cannot_create(output, _blocked_by(output) or error.strerror or str(error)) from None
 
 
 def make_folder(path: str | os.PathLike) -> Path:

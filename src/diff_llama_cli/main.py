@@ -2,8 +2,9 @@
 
 A problem with the input (`diff_llama.errors.UserError`, raised where the input is judged) reaches the terminal as one
 line that says how to fix it, with exit code 2. The file system's refusals (no space left, a read-only file system,
-no permission) are one line too, with exit code 1: the machine's state, not a bug. Anything else is a bug: it keeps its
-traceback, followed by one line asking to report it, and exits with code 1. DIFF_LLAMA_TRACEBACK=1 raises every error, user errors included.
+no permission) are one line too, with exit code 1: the machine's state, not a bug. Anything else is a bug: it keeps
+its traceback, followed by one line asking to report it, and exits with code 1. DIFF_LLAMA_TRACEBACK=1 raises every
+error, user errors included.
 """
 
 import difflib
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
         if isinstance(error, errors.UserError):
             print(f"{prefix}: error: {' '.join(str(error).split())}", file=sys.stderr)
             return 2
-        if isinstance(error, OSError) and not isinstance(error, errors.UserError) and error.errno in FILE_SYSTEM_REFUSALS:
+        if isinstance(error, OSError) and error.errno in FILE_SYSTEM_REFUSALS:  # not a UserError: returned above
             where = f" ({error.filename})" if error.filename else ""
             print(f"{prefix}: error: {error.strerror}{where}; {FILE_SYSTEM_REFUSALS[error.errno]}", file=sys.stderr)
             return 1
