@@ -27,4 +27,4 @@ if [ "$installed" != "$oldest" ]; then
 fi
 export HF_HUB_OFFLINE=1
 echo "transformers $installed (the oldest setup.cfg declares), tests marked oldest_transformers"
-"$venv/bin/python" -m pytest -q -p no:cacheprovider -m oldest_transformers "$@"
+"$venv/bin/python" -m pytest -q -p no:cacheprovider -n auto --dist loadfile -m oldest_transformers "$@"  # as run_tests.sh

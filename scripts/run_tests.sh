@@ -10,4 +10,6 @@ if [ "${1:-}" = "--slow" ]; then
     marker=()
     shift
 fi
-.venv/bin/python -m pytest -q -p no:cacheprovider "${marker[@]}" "$@"
+# One worker per core (pytest-xdist), each test file on one worker so that its module fixtures are made once; pass
+# -n 0 to run in this process (a debugger, or reading one test's output).
+.venv/bin/python -m pytest -q -p no:cacheprovider -n auto --dist loadfile "${marker[@]}" "$@"

@@ -14,7 +14,10 @@ import torch  # noqa: E402
 import diff_llama  # noqa: E402,F401  (registers the Auto classes)
 from diff_llama import DiffLlamaConfig, DiffLlamaForCausalLM  # noqa: E402
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Two threads at most: the tiny models gain nothing from more. Under pytest-xdist the workers share the cores, so
+# each takes its share (two workers on two cores: one thread each, not two fighting over every core).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 SAMPLE_TEXT = (
     "The differential transformer subtracts one softmax attention map from another to cancel attention noise. "
@@ -156,7 +159,27 @@ def tokenizer(tmp_path_factory):
     bpe.train_from_iterator([SAMPLE_TEXT], trainer=trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     assert tok.pad_token_id == 0 and tok.bos_token_id == 1 and tok.eos_token_id == 2
+    _shared_tokenizers.append((tok, _tokenizer_state(tok)))
     return tok
+
+
+_shared_tokenizers = []
+
+
+def _tokenizer_state(tok):
+    return tok.chat_template, len(tok), tok.padding_side, tok.truncation_side, str(tok.special_tokens_map)
+
+
+@pytest.fixture(autouse=True)
+def _shared_tokenizer_left_alone():
+    """The `tokenizer` fixture is shared by the whole session, so a test that changes it (a chat template, a token)
+    changes what the tests after it see, and the outcome comes to depend on their order: fail the test that did it
+    (`with_chat_template` makes a copy to change)."""
+    yield
+    for index, (tok, state) in enumerate(_shared_tokenizers):
+        now = _tokenizer_state(tok)
+        _shared_tokenizers[index] = (tok, now)  # only the test that changed it fails, not every test after it
+        assert now == state, "this test changed the session's shared `tokenizer`; change a copy (copy.deepcopy)"
 
 
 # SmolLM2-135M-Instruct's chat template as its conversion ships it (chat_template.jinja): ChatML, with a default
@@ -169,14 +192,21 @@ SMOLLM2_CHAT_TEMPLATE = (
 )
 
 
+def with_chat_template(tokenizer, template: str, special_tokens=()):
+    """A copy of `tokenizer` that chats with `template` (and has `special_tokens`). A copy, because the `tokenizer`
+    fixture is shared by the whole session: a template set on it would change what later tests see."""
+    chat = copy.deepcopy(tokenizer)
+    if special_tokens:
+        chat.add_special_tokens({"additional_special_tokens": list(special_tokens)})
+    chat.chat_template = template
+    return chat
+
+
 @pytest.fixture(scope="session")
 def chatml_tokenizer(tokenizer):
     """The test tokenizer made to chat like SmolLM2-135M-Instruct's: its ChatML markers as special tokens (one id
     each, as in SmolLM2) and its chat template."""
-    chat = copy.deepcopy(tokenizer)
-    chat.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    chat.chat_template = SMOLLM2_CHAT_TEMPLATE
-    return chat
+    return with_chat_template(tokenizer, SMOLLM2_CHAT_TEMPLATE, ["<|im_start|>", "<|im_end|>"])
 
 
 # Version 1 conversion options that keep calibration and evaluation short on the tiny checkpoints below.

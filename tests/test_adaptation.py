@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import tiny_model
+from conftest import tiny_model, with_chat_template
 from diff_llama.adaptation import (
     AdaptationOptions,
     RetrievalExamples,
@@ -43,9 +43,7 @@ SMALL = dict(min_length=300, max_length=450, max_needles=3, max_queries=2, text_
 
 @pytest.fixture
 def chat_tokenizer(tokenizer):
-    chat = copy.deepcopy(tokenizer)
-    chat.chat_template = CHAT_TEMPLATE
-    return chat
+    return with_chat_template(tokenizer, CHAT_TEMPLATE)
 
 
 def test_training_examples_share_nothing_with_the_evaluation(chat_tokenizer):

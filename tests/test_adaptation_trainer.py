@@ -14,7 +14,7 @@ import torch
 
 import diff_llama
 import diff_llama.adaptation.trainer as trainer
-from conftest import tiny_model
+from conftest import tiny_model, with_chat_template
 from diff_llama.adaptation import (
     AdaptationOptions,
     RetrievalExamples,
@@ -41,9 +41,7 @@ RECIPE = dict(SMALL, warmup_steps=2, text_every=1, kl_weight=0.5, learning_rate=
 
 @pytest.fixture
 def chat_tokenizer(tokenizer):
-    chat = copy.deepcopy(tokenizer)
-    chat.chat_template = CHAT_TEMPLATE
-    return chat
+    return with_chat_template(tokenizer, CHAT_TEMPLATE)
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import tiny_model
+from conftest import tiny_model, with_chat_template
 from diff_llama.cli import main
 from diff_llama.retrieval import (
     CATEGORIES,
@@ -42,11 +42,7 @@ def tiny_llama(vocab_size, seed=0):
 
 @pytest.fixture
 def chat_tokenizer(tokenizer):
-    import copy
-
-    chat = copy.deepcopy(tokenizer)
-    chat.chat_template = CHAT_TEMPLATE
-    return chat
+    return with_chat_template(tokenizer, CHAT_TEMPLATE)
 
 
 def _names(case, positions):

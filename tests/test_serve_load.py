@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import tiny_model, with_chat_template
 
 pytest.importorskip("openai", reason="serving needs transformers[serving]")
 pytest.importorskip("fastapi", reason="serving needs transformers[serving]")
@@ -45,7 +45,7 @@ PATIENT_TIMEOUT = 60.0  # a timeout that ends no request of these tests
 
 def _never_ending_model(folder, tokenizer, context):
     """A tiny DiffLlama with a `context`-token context that never writes EOS, so a generation runs to its limit."""
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer = with_chat_template(tokenizer, CHAT_TEMPLATE)
     model = tiny_model(vocab_size=len(tokenizer), max_position_embeddings=context)
     with torch.no_grad():
         model.lm_head.weight[tokenizer.eos_token_id] = 0

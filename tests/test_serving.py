@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import diff_llama
-from conftest import tiny_model
+from conftest import tiny_model, with_chat_template
 
 openai = pytest.importorskip("openai", reason="serving needs transformers[serving]")
 pytest.importorskip("fastapi", reason="serving needs transformers[serving]")
@@ -34,10 +34,15 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def model_dir(tmp_path, tokenizer):
+def chat_tokenizer(tokenizer):
+    return with_chat_template(tokenizer, CHAT_TEMPLATE)
+
+
+@pytest.fixture
+def model_dir(tmp_path, chat_tokenizer):
     """A tiny converted-like model (odd G, per-layer head_norm_eps: what transformers' built-in class cannot load)
     whose greedy tokens all decode to printable ASCII, so that streamed pieces and the whole answer compare exactly."""
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer = chat_tokenizer
     model = tiny_model(vocab_size=len(tokenizer), num_attention_heads=6, num_key_value_heads=3,
                        head_norm_eps=[0.5, 0.7, 0.9])
     with torch.no_grad():
@@ -104,11 +109,11 @@ def _wait_for_server(port, process=None, seconds=120):
     raise AssertionError("the server did not answer /health in time")
 
 
-def test_serve_command_answers_like_generate(model_dir, tokenizer, tmp_path):
+def test_serve_command_answers_like_generate(model_dir, chat_tokenizer, tmp_path):
     import json
     import urllib.request
 
-    expected = _expected_answer(model_dir, tokenizer)
+    expected = _expected_answer(model_dir, chat_tokenizer)
     port = _free_port()
     # A machine that never downloaded anything has no Hub cache folder: /v1/models must still answer.
     env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
@@ -129,12 +134,12 @@ def test_serve_command_answers_like_generate(model_dir, tokenizer, tmp_path):
     assert len([p for p in pieces if p]) > 1 and "".join(pieces) == expected  # streamed in several pieces
 
 
-def test_serve_as_remote_code_answers_like_generate(model_dir, tokenizer):
+def test_serve_as_remote_code_answers_like_generate(model_dir, chat_tokenizer):
     from transformers.cli.serve import Serve
 
     from diff_llama.serving import diff_llama_model_loading
 
-    expected = _expected_answer(model_dir, tokenizer)
+    expected = _expected_answer(model_dir, chat_tokenizer)
     port = _free_port()
     # `diff-llama serve smollm2` pins the server to FOLDER:FILE.gguf; requests may still say "smollm2" (an alias).
     with diff_llama_model_loading(aliases={"as-typed"}):
