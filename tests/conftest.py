@@ -172,14 +172,14 @@ def _tokenizer_state(tok):
 
 @pytest.fixture(autouse=True)
 def _shared_tokenizer_left_alone():
-    """The `tokenizer` fixture is shared by the whole session, so a test that changes it (a chat template, a token)
-    changes what the tests after it see, and the outcome comes to depend on their order: fail the test that did it
-    (`with_chat_template` makes a copy to change)."""
+    """The `tokenizer` and `chatml_tokenizer` fixtures are shared by the whole session, so a test that changes one (a
+    chat template, a token, a padding side) changes what the tests after it see, and the outcome comes to depend on
+    their order: fail the test that did it (`with_chat_template` makes a copy to change)."""
     yield
     for index, (tok, state) in enumerate(_shared_tokenizers):
         now = _tokenizer_state(tok)
         _shared_tokenizers[index] = (tok, now)  # only the test that changed it fails, not every test after it
-        assert now == state, "this test changed the session's shared `tokenizer`; change a copy (copy.deepcopy)"
+        assert now == state, "this test changed a tokenizer the session shares; change a copy (copy.deepcopy)"
 
 
 # SmolLM2-135M-Instruct's chat template as its conversion ships it (chat_template.jinja): ChatML, with a default
@@ -206,7 +206,9 @@ def with_chat_template(tokenizer, template: str, special_tokens=()):
 def chatml_tokenizer(tokenizer):
     """The test tokenizer made to chat like SmolLM2-135M-Instruct's: its ChatML markers as special tokens (one id
     each, as in SmolLM2) and its chat template."""
-    return with_chat_template(tokenizer, SMOLLM2_CHAT_TEMPLATE, ["<|im_start|>", "<|im_end|>"])
+    chat = with_chat_template(tokenizer, SMOLLM2_CHAT_TEMPLATE, ["<|im_start|>", "<|im_end|>"])
+    _shared_tokenizers.append((chat, _tokenizer_state(chat)))  # shared by the session too: the same guard
+    return chat
 
 
 # Version 1 conversion options that keep calibration and evaluation short on the tiny checkpoints below.
