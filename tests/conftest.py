@@ -159,15 +159,20 @@ def tokenizer(tmp_path_factory):
     bpe.train_from_iterator([SAMPLE_TEXT], trainer=trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     assert tok.pad_token_id == 0 and tok.bos_token_id == 1 and tok.eos_token_id == 2
-    _shared_tokenizers.append((tok, _tokenizer_state(tok)))
-    return tok
+    return _shared(tok)
 
 
-_shared_tokenizers = []
+_shared_tokenizers = []  # (tokenizer, its state when made): what the guard below checks after each test
 
 
 def _tokenizer_state(tok):
     return tok.chat_template, len(tok), tok.padding_side, tok.truncation_side, str(tok.special_tokens_map)
+
+
+def _shared(tok):
+    """`tok`, a session fixture's tokenizer, put under the guard below."""
+    _shared_tokenizers.append((tok, _tokenizer_state(tok)))
+    return tok
 
 
 @pytest.fixture(autouse=True)
@@ -206,9 +211,7 @@ def with_chat_template(tokenizer, template: str, special_tokens=()):
 def chatml_tokenizer(tokenizer):
     """The test tokenizer made to chat like SmolLM2-135M-Instruct's: its ChatML markers as special tokens (one id
     each, as in SmolLM2) and its chat template."""
-    chat = with_chat_template(tokenizer, SMOLLM2_CHAT_TEMPLATE, ["<|im_start|>", "<|im_end|>"])
-    _shared_tokenizers.append((chat, _tokenizer_state(chat)))  # shared by the session too: the same guard
-    return chat
+    return _shared(with_chat_template(tokenizer, SMOLLM2_CHAT_TEMPLATE, ["<|im_start|>", "<|im_end|>"]))
 
 
 # Version 1 conversion options that keep calibration and evaluation short on the tiny checkpoints below.

@@ -42,19 +42,18 @@ def chat_tokenizer(tokenizer):
 def model_dir(tmp_path, chat_tokenizer):
     """A tiny converted-like model (odd G, per-layer head_norm_eps: what transformers' built-in class cannot load)
     whose greedy tokens all decode to printable ASCII, so that streamed pieces and the whole answer compare exactly."""
-    tokenizer = chat_tokenizer
-    model = tiny_model(vocab_size=len(tokenizer), num_attention_heads=6, num_key_value_heads=3,
+    model = tiny_model(vocab_size=len(chat_tokenizer), num_attention_heads=6, num_key_value_heads=3,
                        head_norm_eps=[0.5, 0.7, 0.9])
     with torch.no_grad():
-        for token_id in range(len(tokenizer)):
-            text = tokenizer.decode([token_id])
-            if token_id == tokenizer.eos_token_id or not (text.isascii() and text.isprintable()):
+        for token_id in range(len(chat_tokenizer)):
+            text = chat_tokenizer.decode([token_id])
+            if token_id == chat_tokenizer.eos_token_id or not (text.isascii() and text.isprintable()):
                 model.lm_head.weight[token_id] = 0
         model.lm_head.weight *= 10  # the kept tokens' logits are far from 0 and from each other
     model.generation_config.max_new_tokens = MAX_TOKENS
     folder = tmp_path / "served"
     model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    chat_tokenizer.save_pretrained(folder)
     return folder
 
 
