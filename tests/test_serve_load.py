@@ -268,6 +268,45 @@ def test_a_client_that_leaves_a_stream_frees_the_model_too(patient):
     assert status == 200 and seconds < 10
 
 
+
+def test_a_stream_stops_on_its_flag_though_its_response_never_closes_it(served_folder):
+    """transformers' server cancels a stream's generation when the cancellation reaches the stream's generator; a
+    response cancelled while it waits to send a chunk leaves it open, and the generation would run on to its
+    `max_tokens`. The request's stop flag cancels the streamer itself: here the generator is never closed at all."""
+    import asyncio
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.cli.serving.utils import GenerationState
+
+    from diff_llama.request_guard import REQUEST_STOP, RequestStop, stop_generations_on_request
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(served_folder), AutoTokenizer.from_pretrained(served_folder)
+    state = GenerationState()
+    stop_generations_on_request(state)
+    manager = state.get_manager("tiny")
+    asked = CONTEXT - 100  # seconds of generation
+
+    async def stream_then_stop():
+        stop = RequestStop()
+        REQUEST_STOP.set(stop)  # as the guard sets it for the request's handler
+        inputs = tokenizer("The quick brown fox", return_tensors="pt")
+        queue, streamer = manager.generate_streaming(model, tokenizer, inputs, GenerationConfig(max_new_tokens=asked,
+                                                                                                do_sample=False),
+                                                     request_id="left-open")
+        for _ in range(3):  # it streams
+            assert isinstance(await asyncio.wait_for(queue.get(), 30), str)
+        stop.set()  # time is up, or the client has gone; nobody touches the response's generator
+        while (item := await asyncio.wait_for(queue.get(), 30)) is not None:
+            assert isinstance(item, str)
+        return streamer.total_tokens
+
+    assert 3 <= asyncio.run(stream_then_stop()) < asked / 4
+    flag = RequestStop()
+    flag.set()
+    called = []
+    flag.call_on_set(lambda: called.append(1))  # a stream that starts after its request was stopped
+    assert called == [1]
+
 def test_a_request_without_max_tokens_gets_at_most_the_room_left_in_the_context(small_context, tokenizer):
     """transformers' server would generate its default 1024 tokens, far past this 128-token context."""
     content = "The quick brown fox " * 4

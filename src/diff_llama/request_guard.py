@@ -14,12 +14,14 @@ caps it at the room left in the context (it sets `max_tokens`, which is also wha
 place of `max_completion_tokens`). Anything else reaches transformers' server unchanged.
 
 Every guarded request gets `timeout` seconds, its wait for the model included. Past it, a request that has no
-answer yet gets a 503 that says so, and a stream ends with an error event. A stream's generation is cancelled, by
-the guard past the timeout and by transformers' server when its client leaves. A non-streamed generation cannot be
-cancelled that way (transformers' inference thread sets its result on the awaited future), so the guard stops it
-itself: it reads the client's messages while the server answers, and once the client has gone or the time is up,
-a stopping criterion it adds to that generation ends it at its next token (or before it starts, if it is still
-queued), so that the requests behind it get the model.
+answer yet gets a 503 that says so, and a stream ends with an error event. Either way the request's generation
+stops, and so it does once its client has gone: the guard reads the client's messages while the server answers, and
+sets the request's stop flag when the client has gone or the time is up. A stream's generation is cancelled through
+its streamer. transformers' server cancels it too, but only when the cancellation reaches its stream's generator,
+which it does not if the response was waiting to send a chunk then (the generator is closed when garbage collected,
+thousands of tokens later). A non-streamed generation cannot be cancelled (transformers' inference thread sets its
+result on the awaited future): a stopping criterion the guard adds to it ends it at its next token (or before it
+starts, if it is still queued). So the requests behind it get the model.
 
 Only torch-free imports at module level: `diff-llama serve --help` must not pay for them.
 """
@@ -28,6 +30,7 @@ import contextlib
 import contextvars
 import functools
 import json
+import threading
 
 # Endpoint -> the field that holds its input. Others under /v1 with a JSON body get the JSON and model checks only.
 COMPLETION_INPUTS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
@@ -227,24 +230,66 @@ def context_length(model) -> int | None:
 
 # ---- stopping a request's generation ---------------------------------------------------------------------------------
 
-# The stop flag (a threading.Event) of the guarded request whose handler is running: transformers' handler submits its
+# The stop flag (a RequestStop) of the guarded request whose handler is running: transformers' handler submits its
 # generation from the request's own task, whose context the guard set.
 REQUEST_STOP = contextvars.ContextVar("diff_llama_request_stop", default=None)
 
 
+class RequestStop:
+    """A guarded request's stop flag: once set, its generation ends (see `stop_generations_on_request`)."""
+
+    def __init__(self):
+        self._flag, self._lock, self._on_set = threading.Event(), threading.Lock(), []
+
+    def is_set(self) -> bool:
+        return self._flag.is_set()
+
+    def set(self) -> None:
+        with self._lock:
+            self._flag.set()
+            on_set, self._on_set = self._on_set, []
+        for call in on_set:
+            call()
+
+    def call_on_set(self, call) -> None:
+        """Calls `call` when the flag is set (now, if it is set already)."""
+        with self._lock:
+            if not self._flag.is_set():
+                self._on_set.append(call)
+                return
+        call()
+
+
 def stop_generations_on_request(generation_state) -> None:
-    """Makes each sequential generation manager that `generation_state` hands out give the non-streamed generations of
-    guarded requests a stopping criterion on their request's stop flag. (Continuous batching has no such manager.)"""
+    """Makes each generation manager that `generation_state` hands out stop the generations of guarded requests on
+    their request's stop flag: a stream's streamer is cancelled, and a sequential manager's non-streamed generations
+    get a stopping criterion. (Continuous batching has no non-streamed generation to stop this way.)"""
     get_manager = generation_state.get_manager
 
     def get_stoppable_manager(*args, **kwargs):
         manager = get_manager(*args, **kwargs)
-        submit = getattr(manager, "async_submit", None)
-        if submit is not None and not getattr(submit, "stops_on_request", False):
-            manager.async_submit = stoppable_submit(submit)
+        if not getattr(manager, "stops_on_request", False):
+            if hasattr(manager, "async_submit"):
+                manager.async_submit = stoppable_submit(manager.async_submit)
+            if hasattr(manager, "generate_streaming"):
+                manager.generate_streaming = cancellable_streaming(manager.generate_streaming)
+            manager.stops_on_request = True
         return manager
 
     generation_state.get_manager = get_stoppable_manager
+
+
+def cancellable_streaming(generate_streaming):
+    """`generate_streaming` (a manager's), whose streamer is cancelled when the calling request's stop flag is set."""
+
+    def generate_cancellable(*args, **kwargs):
+        queue, streamer = generate_streaming(*args, **kwargs)
+        flag = REQUEST_STOP.get()
+        if flag is not None:
+            flag.call_on_set(streamer.cancel)
+        return queue, streamer
+
+    return generate_cancellable
 
 
 def stoppable_submit(submit):
@@ -261,7 +306,6 @@ def stoppable_submit(submit):
         criteria.append(stop_flag_criterion()(flag))
         return submit(generate_unless_stopped(fn, flag), *args, **{**kwargs, "stopping_criteria": criteria})
 
-    submit_stoppable.stops_on_request = True
     return submit_stoppable
 
 
@@ -361,9 +405,8 @@ class RequestGuard:
 
     async def answer_in_time(self, scope, raw: bytes, receive, send):
         import asyncio
-        import threading
 
-        stop = threading.Event()  # set: the request's generation ends (see stop_generations_on_request)
+        stop = RequestStop()
         client_gone = asyncio.Event()
         started = answered = False
 
@@ -401,7 +444,7 @@ class RequestGuard:
         error = RequestError(503, f"the request ran past the server's request timeout of {self.timeout:g} s, its "
                                   "wait for the model included: retry later, send fewer requests at once or ask for "
                                   "fewer tokens, or start the server with a longer --request-timeout", code="timeout")
-        if started:  # a stream: cancelling it cancels its generation; end it as transformers' server ends a failed one
+        if started:  # a stream, whose generation the flag stopped: end it as transformers' server ends a failed one
             app.cancel()
             await asyncio.gather(app, return_exceptions=True)
             await send({"type": "http.response.body", "body": b"data: " + error.json() + b"\n\n",
