@@ -221,6 +221,38 @@ def test_a_stream_past_the_timeout_ends_with_an_error_event(guarded):
     assert status == 200 and seconds < TIMEOUT + 5  # the stream's generation was cancelled
 
 
+
+def test_a_stream_past_the_timeout_stops_while_its_client_reads_slowly(served_folder, monkeypatch):
+    """A client on a slow network: the response is usually waiting to send a chunk when the time is up, where
+    transformers' server alone would not cancel the stream's generation and the next request would wait behind it."""
+    import asyncio
+
+    from diff_llama.request_guard import RequestGuard
+
+    guard = RequestGuard.__call__
+
+    async def slow_network(self, scope, receive, send):
+        async def send_slowly(message):
+            await asyncio.sleep(0.05)
+            await send(message)
+
+        await guard(self, scope, receive, send_slowly)
+
+    monkeypatch.setattr(RequestGuard, "__call__", slow_network)
+    server, url = _start(served_folder, guarded=True)
+    try:
+        for _ in range(3):  # without the guard's cancellation, most of them leave a generation running
+            request = urllib.request.Request(url + "/v1/chat/completions",
+                                             json.dumps(_ask(max_tokens=CONTEXT - 100, stream=True)).encode(),
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as response:
+                events = [line[len(b"data: "):] for line in response if line.startswith(b"data: ")]
+            assert json.loads(events[-1])["error"]["code"] == "timeout"
+            status, _, seconds = _post(url, _ask())
+            assert status == 200 and seconds < TIMEOUT, seconds
+    finally:
+        server.kill_server()
+
 def _leave_mid_request(url, body, seconds, answers):
     """Sends `body` to /v1/chat/completions from a raw socket and closes it after `seconds`; `answers` gets the
     first byte of the answer by then, or None (it left mid-request)."""
