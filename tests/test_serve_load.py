@@ -207,19 +207,23 @@ def test_a_request_past_the_timeout_gets_a_503_and_its_generation_stops(guarded,
     assert not [record for record in caplog.records if record.levelname == "ERROR"], caplog.text
 
 
-def test_a_stream_past_the_timeout_ends_with_an_error_event(guarded):
-    request = urllib.request.Request(guarded + "/v1/chat/completions",
+def _long_stream(url):
+    """(status, the data of each event, seconds) of a stream asked for thousands of tokens."""
+    request = urllib.request.Request(url + "/v1/chat/completions",
                                      json.dumps(_ask(max_tokens=CONTEXT - 100, stream=True)).encode(),
                                      {"Content-Type": "application/json"})
     started = time.monotonic()
     with urllib.request.urlopen(request, timeout=60) as response:
         events = [line[len(b"data: "):] for line in response if line.startswith(b"data: ")]
-    seconds = time.monotonic() - started
-    assert response.status == 200 and len(events) > 2  # it streamed tokens, then
+    return response.status, events, time.monotonic() - started
+
+
+def test_a_stream_past_the_timeout_ends_with_an_error_event(guarded):
+    status, events, seconds = _long_stream(guarded)
+    assert status == 200 and len(events) > 2  # it streamed tokens, then
     assert json.loads(events[-1])["error"]["code"] == "timeout" and TIMEOUT <= seconds < TIMEOUT + 5
     status, _, seconds = _post(guarded, _ask())
     assert status == 200 and seconds < TIMEOUT + 5  # the stream's generation was cancelled
-
 
 
 def test_a_stream_past_the_timeout_stops_while_its_client_reads_slowly(served_folder, monkeypatch):
@@ -242,16 +246,13 @@ def test_a_stream_past_the_timeout_stops_while_its_client_reads_slowly(served_fo
     server, url = _start(served_folder, guarded=True)
     try:
         for _ in range(3):  # without the guard's cancellation, most of them leave a generation running
-            request = urllib.request.Request(url + "/v1/chat/completions",
-                                             json.dumps(_ask(max_tokens=CONTEXT - 100, stream=True)).encode(),
-                                             {"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=60) as response:
-                events = [line[len(b"data: "):] for line in response if line.startswith(b"data: ")]
+            events = _long_stream(url)[1]
             assert json.loads(events[-1])["error"]["code"] == "timeout"
             status, _, seconds = _post(url, _ask())
             assert status == 200 and seconds < TIMEOUT, seconds
     finally:
         server.kill_server()
+
 
 def _leave_mid_request(url, body, seconds, answers):
     """Sends `body` to /v1/chat/completions from a raw socket and closes it after `seconds`; `answers` gets the
@@ -300,7 +301,6 @@ def test_a_client_that_leaves_a_stream_frees_the_model_too(patient):
     assert status == 200 and seconds < 10
 
 
-
 def test_a_stream_stops_on_its_flag_though_its_response_never_closes_it(served_folder):
     """transformers' server cancels a stream's generation when the cancellation reaches the stream's generator; a
     response cancelled while it waits to send a chunk leaves it open, and the generation would run on to its
@@ -338,6 +338,7 @@ def test_a_stream_stops_on_its_flag_though_its_response_never_closes_it(served_f
     called = []
     flag.call_on_set(lambda: called.append(1))  # a stream that starts after its request was stopped
     assert called == [1]
+
 
 def test_a_request_without_max_tokens_gets_at_most_the_room_left_in_the_context(small_context, tokenizer):
     """transformers' server would generate its default 1024 tokens, far past this 128-token context."""
