@@ -288,6 +288,51 @@ def test_adapt_command_saves_a_model_that_reloads(tmp_path, chat_tokenizer, caps
     assert len(json.loads((output / "adapt.json").read_text())["steps"]) == 1
 
 
+def test_an_interrupted_adapt_leaves_no_folder_when_it_kept_nothing_and_otherwise_says_resume(
+        tmp_path, chat_tokenizer, capsys, monkeypatch):
+    from diff_llama.cli import main as command_line
+
+    source = tmp_path / "source"
+    tiny_model(vocab_size=len(chat_tokenizer), max_position_embeddings=1024).save_pretrained(source)
+    chat_tokenizer.save_pretrained(source)
+    real, stop_at = RetrievalExamples.__getitem__, []
+
+    def build(self, index):  # Ctrl-C as the example `stop_at` is built
+        if stop_at and index == stop_at[0]:
+            raise KeyboardInterrupt
+        return real(self, index)
+
+    monkeypatch.setattr(RetrievalExamples, "__getitem__", build)
+    out = tmp_path / "runs" / "adapted"
+    argv = ["adapt", str(source), str(out), "--max-steps", "3", "--eval-every", "0", "--autocast", "none"]
+    for key, value in SMALL.items():
+        argv += [f"--{key.replace('_', '-')}", *map(str, value if isinstance(value, list) else [value])]
+
+    def interrupted(argv) -> str:  # exit code 130, and the line after the progress bars
+        capsys.readouterr()
+        assert command_line(argv) == 130
+        err = capsys.readouterr().err
+        assert "Traceback" not in err, err
+        return err.strip().splitlines()[-1]
+
+    with monkeypatch.context() as patch:  # Ctrl-C in the first probe, before the run wrote anything
+        patch.setattr("diff_llama.adaptation.trainer.probe", mock.Mock(side_effect=KeyboardInterrupt))
+        assert interrupted(argv) == ("diff-llama adapt: interrupted; no checkpoint was written yet (one every "
+                                     "--save-steps steps); run the command again to start over")
+    assert not (tmp_path / "runs").exists()  # the folders it made, gone: the same command is not refused
+
+    stop_at[:] = [0]  # after the first probe wrote its curves
+    assert interrupted(argv) == ("diff-llama adapt: interrupted; no checkpoint was written yet (one every --save-steps "
+                                 "steps); add --overwrite to start over")
+    stop_at[:] = [2]  # the Trainer fetches an example one step ahead: in step 2, after step 1's checkpoint
+    assert interrupted([*argv, "--save-steps", "1", "--overwrite"]) == (
+        f"diff-llama adapt: interrupted; {out / 'checkpoint-1'} holds the run up to step 1: run the command again "
+        "with --resume to continue")
+    stop_at[:] = []
+    assert command_line([*argv, "--save-steps", "1", "--resume"]) == 0
+    assert len(json.loads((out / "adapt.json").read_text())["steps"]) == 3
+
+
 def test_adapt_command_checks_its_options_before_loading_a_model(tmp_path):
     # The model path does not exist: the option error comes first, and nothing is written.
     for flags, message in ((["--autocast", "fp8"], "unknown dtype 'fp8'"),

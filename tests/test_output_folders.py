@@ -1,5 +1,6 @@
 """Output folders: `--overwrite` replaces only what diff-llama wrote, never the working directory or home; a killed
-run's hidden folders are cleaned up by the next one; an interrupted evaluation resumes."""
+run's hidden folders are cleaned up by the next one; an interrupted evaluation resumes; an interrupted training run
+says in one line what it kept and how to go on, and that advice works."""
 
 import json
 import os
@@ -218,8 +219,11 @@ def test_an_interrupted_evaluation_resumes_without_scoring_a_case_twice(tmp_path
     llama = make_llama(tmp_path / "llama", tokenizer, num_attention_heads=2, num_key_value_heads=1, hidden_size=16)
     out = tmp_path / "eval"
     _count_cases(monkeypatch, stop_at=5)  # Ctrl-C in model b's second case
+    capsys.readouterr()
     assert main(_evaluate_argv(llama, out)) == 130
-    assert "run the same command again to resume" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"diff-llama evaluate: interrupted; the cases scored so far are kept in {out / 'cases.jsonl'}: run the same "
+        "command again to resume")
     assert not (out / "retrieval.json").exists() and len((out / "cases.jsonl").read_text().splitlines()) == 4
     with open(out / "cases.jsonl", "a") as handle:  # a line cut short, as by a kill
         handle.write('{"model": "b", "len')
@@ -242,6 +246,57 @@ def test_an_interrupted_evaluation_resumes_without_scoring_a_case_twice(tmp_path
     assert main(_evaluate_argv(llama, out, "--overwrite")) == 0
     assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "cases.jsonl", "retrieval.json", "retrieval.md",
                                                             "retrieval.png"])
+
+
+# ---- an interrupted training run says how to go on ------------------------------------------------------------------
+
+
+def _interrupt_training_at(monkeypatch, step):
+    """Ctrl-C as the Trainer ends optimiser step `step`, before it saves that step's checkpoint."""
+    from diff_llama.training import LogLastStep
+
+    real = LogLastStep.on_step_end
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == step:
+            raise KeyboardInterrupt
+        return real(self, args, state, control, **kwargs)
+
+    monkeypatch.setattr(LogLastStep, "on_step_end", on_step_end)
+
+
+def _interrupted(capsys, argv) -> str:
+    """Run the command, which Ctrl-C stops: exit code 130 and one line after the progress bars, which it returns."""
+    capsys.readouterr()
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+def test_an_interrupted_train_names_its_last_checkpoint_and_resume_continues_from_it(
+        tmp_path, model_dir, capsys, monkeypatch):
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    out = tmp_path / "run"
+    argv = ["train", str(model_dir), "--data", str(text), "--output", str(out), "--block-size", "32",
+            "--batch-size", "2", "--save-steps", "2", "--logging-steps", "1", "--max-steps", "4", "--no-monitor"]
+    with monkeypatch.context() as patch:
+        _interrupt_training_at(patch, 3)
+        assert _interrupted(capsys, argv) == (f"diff-llama train: interrupted; {out / 'checkpoint-2'} holds the run up "
+                                              "to step 2: run the command again with --resume to continue")
+    assert main(argv) == 2  # as without the advice: a fresh start on top of the checkpoints is refused
+    assert main([*argv, "--resume"]) == 0
+    history = json.loads((out / "training_log.json").read_text())
+    assert [entry["step"] for entry in history if "loss" in entry] == [1, 2, 3, 4]
+
+    # Stopped before its first checkpoint: nothing kept, and the same command starts over in the same folder.
+    with monkeypatch.context() as patch:
+        _interrupt_training_at(patch, 1)
+        assert _interrupted(capsys, [*argv[:5], str(tmp_path / "early"), *argv[6:]]) == (
+            "diff-llama train: interrupted; no checkpoint was written yet (one every --save-steps steps); run the "
+            "command again to start over")
+    assert main([*argv[:5], str(tmp_path / "early"), *argv[6:]]) == 0
 
 
 def test_a_failed_run_leaves_no_folder_it_created(tmp_path, capsys, monkeypatch):

@@ -21,8 +21,10 @@ def convert(source, output, options, command_options: o.ConvertCommandOptions) -
 
 def recover(model, options: o.RecoveryOptions) -> int:
     from .recovery import recover
+    from .training import continuable
 
-    report = recover(model, options)
+    with continuable(options.output):
+        report = recover(model, options)
     print(f"Held-out perplexity: source {report['source_perplexity']:.2f}, recovered {report['final_perplexity']:.2f} "
           f"({report['ratio']:.3f}x) after {report['steps']} steps; mean |λ| {report['final_mean_abs_lambda']:.3f}. "
           f"Saved to {options.output}")
@@ -30,9 +32,10 @@ def recover(model, options: o.RecoveryOptions) -> int:
 
 
 def train(model, options: o.FineTuneOptions) -> int:
-    from .training import train
+    from .training import continuable, train
 
-    output = train(model, options)
+    with continuable(options.output):
+        output = train(model, options)
     if int(os.environ.get("RANK", "0")) == 0:  # one line for a multi-process launch too
         print(f"Saved the {'adapter' if options.lora and not options.merge else 'model'} to {output}")
     return 0

@@ -35,3 +35,7 @@ class OutputNotWritableError(UserError, OSError):
 class MissingPackageError(UserError, ImportError):
     """An optional package that this use needs is not installed; the message gives the pip command."""
 
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a run that can go on later: the message says what the run kept and the command that continues
+    it. Still a KeyboardInterrupt, so whatever stops on Ctrl-C stops on it."""

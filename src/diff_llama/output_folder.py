@@ -247,16 +247,24 @@ def new_output_folder(path: str | os.PathLike, overwrite: bool = False, fix: str
                 write_marker(temporary, command, **marker_details)
             yield temporary
         return
-    created = _missing_folders(Path(path).absolute())
-    make_folder(path)
-    if command is not None:
-        write_marker(path, command, **marker_details)
-    try:
+    with removed_unless_written(path):
+        make_folder(path)
+        if command is not None:
+            write_marker(path, command, **marker_details)
         yield Path(path)
+
+
+@contextlib.contextmanager
+def removed_unless_written(path: str | os.PathLike):
+    """Around a run that makes the folder `path` and writes into it: when it fails before writing anything but the
+    marker, the folder goes again (with the folders above it that it made), so that a rerun is not refused."""
+    created = _missing_folders(Path(path).absolute())
+    try:
+        yield
     except BaseException:
-        # A run that failed before writing anything leaves the folder as it found it, so a rerun is not refused.
-        if [entry.name for entry in Path(path).iterdir()] == [MARKER]:
-            (Path(path) / MARKER).unlink()
+        if Path(path).is_dir() and [entry.name for entry in Path(path).iterdir()] in ([MARKER], []):
+            with contextlib.suppress(FileNotFoundError):
+                (Path(path) / MARKER).unlink()
             _remove_empty(created)  # the output, then the folders above it that this run made
         raise
 

@@ -21,6 +21,7 @@ own (higher) learning rate and no weight decay. With LoRA, the λ vectors sit in
 in `modules_to_save`: PEFT trains them and stores them in the adapter.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from .errors import InputNotFoundError, OutputExistsError, UserError
+from .errors import InputNotFoundError, Interrupted, OutputExistsError, UserError
 from .options import FineTuneOptions, TrainingRunOptions
 
 from .conversion.base import ATTENTION_PROJECTIONS
@@ -168,6 +169,39 @@ def resume_checkpoint(output_dir: str | Path, resume: bool) -> str | None:
         check_new_output(output_dir, fix="choose a new folder for --output (the run would be saved among its files)",
                          offers_overwrite=False)
     return last
+
+
+def how_to_continue(output_dir: str | Path, offers_overwrite: bool = False) -> str:
+    """What a run interrupted while training into `output_dir` kept there, and the command that goes on from it.
+    `offers_overwrite`: the command has --overwrite to start over in a folder that holds an earlier run."""
+    from transformers.trainer import TRAINER_STATE_NAME
+
+    from .output_folder import holds_files
+
+    checkpoints = checkpoint_folders(output_dir)
+    complete = [c for c in checkpoints if Path(c, TRAINER_STATE_NAME).is_file()]
+    if complete:
+        step = complete[-1].name[len("checkpoint-"):]
+        return f"{complete[-1]} holds the run up to step {step}: run the command again with --resume to continue"
+    if checkpoints:  # what --resume refuses, and a fresh start is refused while it is there
+        return f"{checkpoints[-1]} was cut short while being written and no checkpoint is complete; remove it, then " \
+               "run the command again to start over"
+    if not holds_files(output_dir):
+        return "no checkpoint was written yet (one every --save-steps steps); run the command again to start over"
+    start_over = "add --overwrite to start over" if offers_overwrite else "choose a new folder to start over"
+    return f"no checkpoint was written yet (one every --save-steps steps); {start_over}"
+
+
+@contextlib.contextmanager
+def continuable(output_dir: str | Path, offers_overwrite: bool = False):
+    """Around a run training into `output_dir`: Ctrl-C becomes `Interrupted`, whose one line says what the run
+    kept and how to go on (`how_to_continue`)."""
+    try:
+        yield
+    except KeyboardInterrupt as interrupt:
+        if isinstance(interrupt, Interrupted):
+            raise
+        raise Interrupted(how_to_continue(output_dir, offers_overwrite)) from None
 
 
 def load_for_training(model_path: str, seed: int):

@@ -75,6 +75,13 @@ def _run(argv) -> int:
         return run(*values)
 
 
+def _close_progress_bars() -> None:
+    """Close the progress bars a Ctrl-C left open, so that the line saying so starts a line of its own."""
+    tqdm = sys.modules.get("tqdm.std")
+    for bar in list(getattr(tqdm, "tqdm", None)._instances if tqdm else ()):
+        bar.close()
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     prefix = f"{PROG}{' ' + argv[0] if argv and argv[0] in COMMANDS else ''}"
@@ -82,8 +89,9 @@ def main(argv=None) -> int:
         return _run(argv)
     except SystemExit as exit:  # argparse: --help (0) or a usage error (2), already printed
         return exit.code
-    except KeyboardInterrupt:
-        print(f"{prefix}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:  # an `errors.Interrupted` says what was kept and how to go on
+        _close_progress_bars()
+        print(f"{prefix}: interrupted{'; ' + str(interrupt) if str(interrupt) else ''}", file=sys.stderr)
         return 130
     except Exception as error:
         if os.environ.get("DIFF_LLAMA_TRACEBACK", "") not in ("", "0"):

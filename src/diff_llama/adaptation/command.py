@@ -3,11 +3,12 @@ the run, and the trained model saved beside its curves."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 from ..errors import InputNotFoundError, UserError
-from ..resolve import release_gguf_quantizer
+from ..resolve import load_model, release_gguf_quantizer, save_tokenizer
 from .settings import AdaptationOptions, check_options
 from .trainer import adapt
 
@@ -36,37 +37,45 @@ def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: st
     """`diff-llama adapt MODEL OUTPUT [options]` (declared in `diff_llama_cli`). Under `accelerate launch` every
     process trains; the main one checks and writes OUTPUT. With `overwrite`, the earlier run in OUTPUT is removed
     once the model has loaded (the new one writes its checkpoints there, for --resume)."""
-    from ..output_folder import clear_output, make_folder, write_marker
-    from ..resolve import load_model, save_tokenizer
+    from ..output_folder import clear_output, make_folder, removed_unless_written, write_marker
     from ..retrieval import display_name
+    from ..training import continuable
 
     output = Path(output)
     main_process = int(os.environ.get("RANK", "0")) == 0
     if main_process:
         check_adapt_output(output, options, overwrite, inputs=[model_name])
     check_options(options)
-    model, tokenizer = load_model(model_name)
-    release_gguf_quantizer(model)
-    name = name or display_name(model_name)
-    if main_process and not options.resume:
-        if overwrite and output.is_dir():
-            clear_output(output, inputs=[model_name], command="adapt")
-        make_folder(output)
-        write_marker(output, "adapt")  # a later --overwrite may replace the folder
-    history = adapt(model, tokenizer, options, output, name=name)
-    if not main_process:
-        return 0
-    if options.save:
-        # Written to a temporary folder first, then moved: a crash never leaves a half-saved model behind.
-        partial = output / ".partial"
-        model.save_pretrained(partial)
-        save_tokenizer(tokenizer, partial)
-        for path in partial.iterdir():
-            path.replace(output / path.name)
-        partial.rmdir()
+    fresh_start = main_process and not options.resume
+    with continuable(output, offers_overwrite=True):  # Ctrl-C: what was kept, and how to go on
+        model, tokenizer = load_model(model_name)
+        release_gguf_quantizer(model)
+        name = name or display_name(model_name)
+        with removed_unless_written(output) if fresh_start else contextlib.nullcontext():
+            if fresh_start:
+                if overwrite and output.is_dir():
+                    clear_output(output, inputs=[model_name], command="adapt")
+                make_folder(output)
+                write_marker(output, "adapt")  # a later --overwrite may replace the folder
+            history = adapt(model, tokenizer, options, output, name=name)
+        if not main_process:
+            return 0
+        if options.save:
+            save_model(model, tokenizer, output)
     first, last, steps = history["probes"][0], history["probes"][-1], len(history["steps"])
     print(f"{name}: {steps} step{'' if steps == 1 else 's'} in {history['train_minutes']:.1f} training minutes; probe "
           f"accuracy {first['accuracy']:.0%} -> {last['accuracy']:.0%}, perplexity {first['perplexity']:.2f} -> "
           f"{last['perplexity']:.2f}")
     print(f"Wrote {output}")
     return 0
+
+
+def save_model(model, tokenizer, output: Path) -> None:
+    """The trained model and its tokenizer into `output`, beside the curves and checkpoints. Written to a temporary
+    folder first, then moved: a crash never leaves a half-saved model behind."""
+    partial = output / ".partial"
+    model.save_pretrained(partial)
+    save_tokenizer(tokenizer, partial)
+    for path in partial.iterdir():
+        path.replace(output / path.name)
+    partial.rmdir()

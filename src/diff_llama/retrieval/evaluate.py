@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import UserError
+from ..errors import Interrupted, UserError
 from ..options import RetrievalArguments
 from .cases import make_cases
 from .report import markdown_report, write_report
@@ -173,9 +173,8 @@ def evaluate_models(models: list[str], options: RetrievalArguments, overwrite: b
                 report["models"].append(entry)
                 del model
         except KeyboardInterrupt:
-            print(f"Interrupted: the cases scored so far are in {progress_file}; run the same command again to "
-                  "resume." if folder == output else f"Interrupted: {output} is left as it was.", file=sys.stderr)
-            raise
+            raise Interrupted(f"the cases scored so far are kept in {progress_file}: run the same command again to "
+                              "resume" if folder == output else f"{output} is left as it was") from None
         write_report(report, folder)
     return report
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import UserError
+from ..errors import Interrupted, UserError
 from ..options import RulerOptions
 from .evaluate import display_name, interrupted_run, run_description, warn_past_context
 from .ruler_cases import build_ruler_cases, case_file_contents, read_case_file, ruler_prompt, write_case_file
@@ -200,9 +200,8 @@ def ruler_models(models: list[str], options: RulerOptions, overwrite: bool = Fal
                 report["models"].append({"source": source, **entry})
                 del model
         except KeyboardInterrupt:
-            print(f"Interrupted: the cases scored so far are in {progress_file}; run the same command again to "
-                  "resume." if folder == output else f"Interrupted: {output} is left as it was.", file=sys.stderr)
-            raise
+            raise Interrupted(f"the cases scored so far are kept in {progress_file}: run the same command again to "
+                              "resume" if folder == output else f"{output} is left as it was") from None
         (folder / "ruler.md").write_text(markdown_ruler_report(report))
         (folder / "ruler.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
