@@ -299,6 +299,30 @@ def test_an_interrupted_train_names_its_last_checkpoint_and_resume_continues_fro
     assert main([*argv[:5], str(tmp_path / "early"), *argv[6:]]) == 0
 
 
+@pytest.mark.parametrize("command", [
+    ["train", "{model}", "--data", "{text}", "--output", "{out}", "--max-steps", "2", "--save-steps", "1",
+     "--block-size", "32", "--no-monitor"],
+    ["train", "{model}", "--data", "{text}", "--output", "{out}", "--max-steps", "1", "--block-size", "32", "--lora",
+     "--no-monitor"],
+    ["demo", "--output", "{out}", "--steps", "1"],
+    ["convert", "{llama}", "{out}"],
+], ids=["train", "train-lora", "demo", "convert"])
+def test_the_weights_a_command_writes_are_as_readable_as_its_other_files(tmp_path, model_dir, llama_dir, command):
+    """safetensors 0.8 writes its files 0600 whatever the umask; a trained model must be readable where its config
+    is (another user's server, a container)."""
+    (tmp_path / "text.txt").write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    out = tmp_path / "out"
+    umask = os.umask(0o022)
+    try:
+        argv = [a.format(model=model_dir, llama=llama_dir, out=out, text=tmp_path / "text.txt") for a in command]
+        assert main(argv) == 0
+    finally:
+        os.umask(umask)
+    weights = sorted(out.rglob("*.safetensors"))
+    assert weights and {path.stat().st_mode & 0o777 for path in weights} == {0o644}, weights
+    assert {path.stat().st_mode & 0o777 for path in out.rglob("*.json")} == {0o644}
+
+
 def test_a_failed_run_leaves_no_folder_it_created(tmp_path, capsys, monkeypatch):
     """Bad input found after the output's folders were made: convert (an atomic output) and demo (a folder written
     in place) remove the folders above the output that they created, and keep those that were there."""

@@ -161,10 +161,11 @@ def export_builtin(source, output) -> int:
 
 def demo(options: o.DemoOptions) -> int:
     from . import demo
-    from .output_folder import new_output_folder
+    from .output_folder import give_weights_the_usual_permissions, new_output_folder
 
     with new_output_folder(options.output, overwrite=options.overwrite, command="demo") as folder:
         demo.run_demo(folder, steps=options.steps, final_dir=options.output)
+    give_weights_the_usual_permissions(options.output)
     return 0
 
 

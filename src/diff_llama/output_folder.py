@@ -326,13 +326,28 @@ class AtomicOutputFolder:
         return False
 
 
+def _umask() -> int:
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
 def _make_shareable(folder: Path) -> None:
     """mkdtemp makes a private (0700) folder; the finished output gets the usual permissions under the umask."""
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = _umask()
     os.chmod(folder, 0o777 & ~umask)
     for file in folder.iterdir():
         os.chmod(file, 0o666 & ~umask)
+
+
+def give_weights_the_usual_permissions(folder: str | os.PathLike) -> None:
+    """Give the `.safetensors` files under `folder` the permissions of any other new file (0644 under umask 022).
+    safetensors 0.8 writes them 0600 whatever the umask (a temporary file renamed into place; safetensors issue
+    #782), so a model trained here would be unreadable to another user: a server in a container, a shared folder."""
+    mode = 0o666 & ~_umask()
+    for file in Path(folder).rglob("*.safetensors"):
+        if file.is_file() and not file.is_symlink() and file.stat().st_mode & 0o777 == 0o600:
+            os.chmod(file, mode)
 
 
 def _is_abandoned(kind: str, name: str, folder: Path) -> bool:

@@ -207,6 +207,7 @@ def recover(model_path: str, options: RecoveryOptions) -> dict:
 
     from .corpus import HELD_OUT_MODULES, TRAINING_MODULES, stdlib_docstrings
     from .evaluation import perplexity
+    from .output_folder import give_weights_the_usual_permissions
 
     from .resolve import ModelNotFoundError, find_model
 
@@ -294,4 +295,5 @@ def recover(model_path: str, options: RecoveryOptions) -> dict:
     if conversion_report.exists():  # keeps the model's history together for its card
         shutil.copy(conversion_report, output_dir / "conversion_report.json")
     write_model_card(output_dir)
+    give_weights_the_usual_permissions(output_dir)
     return report

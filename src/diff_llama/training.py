@@ -263,6 +263,7 @@ def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> P
     from transformers import Trainer, TrainingArguments
 
     from .monitoring import DifferentialAttentionCallback, plot_differential_attention
+    from .output_folder import give_weights_the_usual_permissions
 
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not torch.accelerator.is_available():
         raise UserError(
@@ -310,4 +311,5 @@ def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> P
     plot_training_loss(history, output_dir / "training_loss.png")
     if options.monitor and any("diff_attn/mean_abs_lambda" in e for e in history):
         plot_differential_attention(history, output_dir / "differential_attention.png")
+    give_weights_the_usual_permissions(output_dir)
     return output_dir

@@ -37,7 +37,9 @@ def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: st
     """`diff-llama adapt MODEL OUTPUT [options]` (declared in `diff_llama_cli`). Under `accelerate launch` every
     process trains; the main one checks and writes OUTPUT. With `overwrite`, the earlier run in OUTPUT is removed
     once the model has loaded (the new one writes its checkpoints there, for --resume)."""
-    from ..output_folder import clear_output, make_folder, removed_unless_written, write_marker
+    from ..output_folder import (
+        clear_output, give_weights_the_usual_permissions, make_folder, removed_unless_written, write_marker,
+    )
     from ..retrieval import display_name
     from ..training import continuable
 
@@ -62,6 +64,7 @@ def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: st
             return 0
         if options.save:
             save_model(model, tokenizer, output)
+        give_weights_the_usual_permissions(output)  # the model's and the checkpoints'
     first, last, steps = history["probes"][0], history["probes"][-1], len(history["steps"])
     print(f"{name}: {steps} step{'' if steps == 1 else 's'} in {history['train_minutes']:.1f} training minutes; probe "
           f"accuracy {first['accuracy']:.0%} -> {last['accuracy']:.0%}, perplexity {first['perplexity']:.2f} -> "
