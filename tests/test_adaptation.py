@@ -332,6 +332,7 @@ def test_an_interrupted_adapt_leaves_no_folder_when_it_kept_nothing_and_otherwis
     assert command_line([*argv, "--save-steps", "1", "--resume"]) == 0
     assert len(json.loads((out / "adapt.json").read_text())["steps"]) == 3
     # readable where the config is (safetensors 0.8 writes 0600 whatever the umask)
+    assert (out / "checkpoint-3" / "tokenizer.json").is_file()  # a checkpoint loads as a model of its own
     weights = [*out.glob("*.safetensors"), *out.glob("checkpoint-*/*.safetensors")]
     assert len(weights) == 2 and {path.stat().st_mode & 0o777 for path in weights} == {
         (out / "config.json").stat().st_mode & 0o777}

@@ -105,6 +105,9 @@ def test_train_command_checkpoints_resumes_and_plots(tmp_path, saved_model):
               "--save-steps", "2", "--logging-steps", "1"]
     assert main(["train", *common, "--max-steps", "4"]) == 0
     assert (out / "checkpoint-2").is_dir() and (out / "checkpoint-4").is_dir()
+    # a checkpoint is a model of its own, tokenizer included (without the settings it was loaded with)
+    assert main(["generate", str(out / "checkpoint-2"), "The quick", "--raw", "--max-new-tokens", "2"]) == 0
+    assert "local_files_only" not in (out / "checkpoint-2" / "tokenizer_config.json").read_text()
     assert (out / "training_loss.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "differential_attention.png").exists()
     assert main(["train", *common, "--max-steps", "4"]) == 2  # refuses to start over on top of checkpoints

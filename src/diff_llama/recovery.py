@@ -23,6 +23,7 @@ from .options import RecoveryOptions
 from .model_card import write_model_card
 from .training import (
     TokenBlocks,
+    TokenizerInCheckpoints,
     load_for_training,
     optimizer_for,
     read_text,
@@ -273,7 +274,7 @@ def recover(model_path: str, options: RecoveryOptions) -> dict:
     trainer = DistillationTrainer(
         model=student, args=args, train_dataset=dataset, teacher=teacher, lambda_floor=options.lambda_floor,
         lambda_floor_ramp_steps=options.lambda_floor_ramp_steps, optimizers=(optimizer, scheduler),
-        callbacks=[monitor],
+        callbacks=[monitor, TokenizerInCheckpoints(tokenizer)],
     )
     trainer.train(resume_from_checkpoint=checkpoint)
 

@@ -239,6 +239,21 @@ def save_trained(model, tokenizer, output_dir: str | Path, merge: bool):
     return model
 
 
+class TokenizerInCheckpoints(TrainerCallback):
+    """Save the tokenizer into each checkpoint-N too, so that a checkpoint loads, generates, evaluates and serves on
+    its own, as the final folder does."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def on_save(self, args, state, control, **kwargs):
+        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if state.is_world_process_zero and checkpoint.is_dir():
+            from .resolve import save_tokenizer
+
+            save_tokenizer(self.tokenizer, checkpoint)
+
+
 class LogLastStep(TrainerCallback):
     """Log at the last step too, so a run shorter than `logging_steps` still records (and plots) its loss."""
 
@@ -288,7 +303,7 @@ def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> P
         # data-parallel job over gloo, as they would over NCCL on GPUs (otherwise each would train alone).
         use_cpu=not torch.accelerator.is_available(),
     )
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[LogLastStep(), *callbacks],
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[LogLastStep(), TokenizerInCheckpoints(tokenizer), *callbacks],
                       optimizers=(optimizer_for(model, learning_rate, options.lambda_learning_rate), None))
     if options.monitor and hasattr(model, "get_lambdas"):
         DifferentialAttentionCallback.attach(trainer, dataset.blocks[0, :64])

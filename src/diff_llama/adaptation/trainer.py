@@ -151,7 +151,7 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
     adapt.json/png to `output`, and checkpoints every `save_steps` steps, from which `options.resume` continues)."""
     from transformers import TrainingArguments
 
-    from ..training import optimizer_for, resume_checkpoint
+    from ..training import TokenizerInCheckpoints, optimizer_for, resume_checkpoint
 
     if options.threads > 0:
         torch.set_num_threads(options.threads)
@@ -200,6 +200,7 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
                                 kl_weight=options.kl_weight, autocast=autocast)
     monitor = AdaptationMonitor(trainer, tokenizer, options, history, None if output is None else Path(output), dtype)
     trainer.add_callback(monitor)
+    trainer.add_callback(TokenizerInCheckpoints(tokenizer))
     try:
         trainer.train(resume_from_checkpoint=checkpoint)
     finally:  # frozen for this training only, also when it stops with an error
