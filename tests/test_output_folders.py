@@ -380,3 +380,27 @@ def test_a_full_disk_during_conversion_is_one_line_and_leaves_nothing(tmp_path, 
     assert progress.startswith("converting") and err == ("diff-llama convert: error: No space left on device; free some space, or choose a place with more, "
                    "and run it again"), err
     assert sorted(path.name for path in tmp_path.iterdir()) == ["llama"]  # no output, no hidden partial folder
+
+
+def test_ctrl_c_during_conversion_says_the_output_is_as_it_was(tmp_path, llama_dir, capsys, monkeypatch):
+    from diff_llama.conversion import writer
+
+    out = tmp_path / "out"
+    assert main(["convert", str(llama_dir), str(out)]) == 0
+    before = folder_checksum(out)
+
+    def ctrl_c_on_writing(path, mode="r", *args, **kwargs):
+        if "w" in mode:
+            raise KeyboardInterrupt
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(writer, "open", ctrl_c_on_writing, raising=False)
+    for argv, said in (([str(tmp_path / "new")], "nothing was written"),
+                       ([str(out), "--overwrite"], f"{out} is left as it was")):
+        capsys.readouterr()
+        assert main(["convert", str(llama_dir), *argv]) == 130
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        assert err.strip().splitlines()[-1] == f"diff-llama convert: interrupted; {said}; run the command again to " \
+                                               "start over"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["llama", "out"] and folder_checksum(out) == before

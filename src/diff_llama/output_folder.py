@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .errors import OutputExistsError, OutputNotWritableError
+from .errors import Interrupted, OutputExistsError, OutputNotWritableError
 
 # Written into every folder that evaluate, ruler, demo, attention-map and adapt create: the folder is ours to replace.
 MARKER = ".diff-llama-output"
@@ -313,6 +313,9 @@ class AtomicOutputFolder:
         if exc_type is not None:
             shutil.rmtree(self.path, ignore_errors=True)
             _remove_empty(self.created_parents)
+            if issubclass(exc_type, KeyboardInterrupt) and not issubclass(exc_type, Interrupted):
+                kept = f"{self.output} is left as it was" if self.output.exists() else "nothing was written"
+                raise Interrupted(f"{kept}; run the command again to start over") from None
             return False
         _make_shareable(self.path)
         if self.output.exists():
