@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import pytest
 
@@ -382,8 +383,9 @@ def test_a_full_disk_during_conversion_is_one_line_and_leaves_nothing(tmp_path, 
     assert sorted(path.name for path in tmp_path.iterdir()) == ["llama"]  # no output, no hidden partial folder
 
 
-def test_ctrl_c_during_conversion_says_the_output_is_as_it_was(tmp_path, llama_dir, capsys, monkeypatch):
-    from diff_llama.conversion import writer
+@pytest.mark.parametrize("stage", ["reading the source", "writing the weights"])
+def test_ctrl_c_during_conversion_says_the_output_is_as_it_was(tmp_path, llama_dir, capsys, monkeypatch, stage):
+    from diff_llama.conversion import converter, writer
 
     out = tmp_path / "out"
     assert main(["convert", str(llama_dir), str(out)]) == 0
@@ -394,7 +396,10 @@ def test_ctrl_c_during_conversion_says_the_output_is_as_it_was(tmp_path, llama_d
             raise KeyboardInterrupt
         return open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(writer, "open", ctrl_c_on_writing, raising=False)
+    if stage == "writing the weights":
+        monkeypatch.setattr(writer, "open", ctrl_c_on_writing, raising=False)
+    else:
+        monkeypatch.setattr(converter, "layerwise_runner", mock.Mock(side_effect=KeyboardInterrupt))
     for argv, said in (([str(tmp_path / "new")], "nothing was written"),
                        ([str(out), "--overwrite"], f"{out} is left as it was")):
         capsys.readouterr()

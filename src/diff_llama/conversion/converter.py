@@ -90,15 +90,14 @@ def convert_llama_to_diff_llama(
     # Refuses an output it may not replace (the source itself, or a folder holding it, among them) before any work.
     target = AtomicOutputFolder(output, overwrite=overwrite, inputs=[source])
 
-    with each_gguf_parsed_once():  # a GGUF source: its config, weights, tokenizer and licence read from one parse
-        src = open_source(source)
-        check_source(src)
-        version = conversion_for(src.config, options)
-        tokenizer = tokenizer_for(src, version, options)
-        source_facts = {"source_license": source_license(src), "source_gguf_type": source_gguf_type(src)}
-    runner = layerwise_runner(src, version, options, tokenizer)
-
-    with target as folder:
+    with target as folder:  # entered first: whenever the run stops, the old output (if any) is as it was
+        with each_gguf_parsed_once():  # a GGUF source: its config, weights, tokenizer and licence from one parse
+            src = open_source(source)
+            check_source(src)
+            version = conversion_for(src.config, options)
+            tokenizer = tokenizer_for(src, version, options)
+            source_facts = {"source_license": source_license(src), "source_gguf_type": source_gguf_type(src)}
+        runner = layerwise_runner(src, version, options, tokenizer)
         layer_diagnostics, quality = write_weights(src, version, options, runner, folder, progress)
         write_model_files(src, version, folder, tokenizer)
         report = ConversionReport(
