@@ -139,6 +139,14 @@ def checkpoint_folders(output_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len("checkpoint-"):]))
 
 
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """The checkpoint-N folders in `output_dir` that the Trainer finished writing, oldest first: it writes
+    trainer_state.json last, so a checkpoint without it was interrupted while being written."""
+    from transformers.trainer import TRAINER_STATE_NAME
+
+    return [c for c in checkpoint_folders(output_dir) if Path(c, TRAINER_STATE_NAME).is_file()]
+
+
 def resume_checkpoint(output_dir: str | Path, resume: bool) -> str | None:
     """The checkpoint to resume from. Refuses to resume from nothing, to start over silently on top of an earlier
     run's checkpoints (the Trainer would mix them up with the new run's), and to write among other files."""
@@ -147,8 +155,7 @@ def resume_checkpoint(output_dir: str | Path, resume: bool) -> str | None:
     from .output_folder import check_new_output
 
     checkpoints = checkpoint_folders(output_dir)
-    # The Trainer writes trainer_state.json last: a checkpoint without it was interrupted while being written.
-    complete = [c for c in checkpoints if Path(c, TRAINER_STATE_NAME).is_file()]
+    complete = complete_checkpoints(output_dir)
     last = str(complete[-1]) if complete else None
     if resume and checkpoints and str(checkpoints[-1]) != last:
         partial = checkpoints[-1]
@@ -174,12 +181,9 @@ def resume_checkpoint(output_dir: str | Path, resume: bool) -> str | None:
 def how_to_continue(output_dir: str | Path, offers_overwrite: bool = False) -> str:
     """What a run interrupted while training into `output_dir` kept there, and the command that goes on from it.
     `offers_overwrite`: the command has --overwrite to start over in a folder that holds an earlier run."""
-    from transformers.trainer import TRAINER_STATE_NAME
-
     from .output_folder import holds_files
 
-    checkpoints = checkpoint_folders(output_dir)
-    complete = [c for c in checkpoints if Path(c, TRAINER_STATE_NAME).is_file()]
+    checkpoints, complete = checkpoint_folders(output_dir), complete_checkpoints(output_dir)
     if complete:
         step = complete[-1].name[len("checkpoint-"):]
         return f"{complete[-1]} holds the run up to step {step}: run the command again with --resume to continue"
@@ -303,7 +307,8 @@ def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> P
         # data-parallel job over gloo, as they would over NCCL on GPUs (otherwise each would train alone).
         use_cpu=not torch.accelerator.is_available(),
     )
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[LogLastStep(), TokenizerInCheckpoints(tokenizer), *callbacks],
+    trainer = Trainer(model=model, args=args, train_dataset=dataset,
+                      callbacks=[LogLastStep(), TokenizerInCheckpoints(tokenizer), *callbacks],
                       optimizers=(optimizer_for(model, learning_rate, options.lambda_learning_rate), None))
     if options.monitor and hasattr(model, "get_lambdas"):
         DifferentialAttentionCallback.attach(trainer, dataset.blocks[0, :64])

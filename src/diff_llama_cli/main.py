@@ -77,8 +77,8 @@ def _run(argv) -> int:
 
 def _close_progress_bars() -> None:
     """Close the progress bars a Ctrl-C left open, so that the line saying so starts a line of its own."""
-    tqdm = sys.modules.get("tqdm.std")
-    for bar in list(getattr(tqdm, "tqdm", None)._instances if tqdm else ()):
+    tqdm = getattr(sys.modules.get("tqdm.std"), "tqdm", None)  # loaded only if a bar was ever made
+    for bar in list(getattr(tqdm, "_instances", ())):
         bar.close()
 
 

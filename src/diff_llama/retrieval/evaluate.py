@@ -134,6 +134,14 @@ def interrupted_run(output: Path, run: dict, command: str = "evaluate",
     return _read_progress(output / "cases.jsonl")
 
 
+def scoring_interrupted(progress_file: Path, resumable: bool, output: Path) -> Interrupted:
+    """Ctrl-C while evaluate or ruler scores cases: what was kept. A run writing its output in place resumes from
+    its cases.jsonl; an --overwrite run writes beside the old output, which stays as it was."""
+    if resumable:
+        return Interrupted(f"the cases scored so far are kept in {progress_file}: run the same command again to resume")
+    return Interrupted(f"{output} is left as it was")
+
+
 def evaluate_models(models: list[str], options: RetrievalArguments, overwrite: bool = False) -> dict:
     """Evaluate every model (folder, .gguf, Hub id or 'smollm2') in turn; write and return the report.
 
@@ -173,8 +181,7 @@ def evaluate_models(models: list[str], options: RetrievalArguments, overwrite: b
                 report["models"].append(entry)
                 del model
         except KeyboardInterrupt:
-            raise Interrupted(f"the cases scored so far are kept in {progress_file}: run the same command again to "
-                              "resume" if folder == output else f"{output} is left as it was") from None
+            raise scoring_interrupted(progress_file, resumable=folder == output, output=output) from None
         write_report(report, folder)
     return report
 

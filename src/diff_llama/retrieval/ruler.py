@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import Interrupted, UserError
+from ..errors import UserError
 from ..options import RulerOptions
-from .evaluate import display_name, interrupted_run, run_description, warn_past_context
+from .evaluate import display_name, interrupted_run, run_description, scoring_interrupted, warn_past_context
 from .ruler_cases import build_ruler_cases, case_file_contents, read_case_file, ruler_prompt, write_case_file
 from .scoring import greedy_answer
 from .statistics import mean_or_none, paired_comparison
@@ -200,8 +200,7 @@ def ruler_models(models: list[str], options: RulerOptions, overwrite: bool = Fal
                 report["models"].append({"source": source, **entry})
                 del model
         except KeyboardInterrupt:
-            raise Interrupted(f"the cases scored so far are kept in {progress_file}: run the same command again to "
-                              "resume" if folder == output else f"{output} is left as it was") from None
+            raise scoring_interrupted(progress_file, resumable=folder == output, output=output) from None
         (folder / "ruler.md").write_text(markdown_ruler_report(report))
         (folder / "ruler.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
