@@ -14,13 +14,15 @@ Steps, each a `diff-llama` command or the project's own scoring functions:
    RULER code on a CPU and saved in bench/cases/ (lm-eval is not needed here).
 3. `--workers` scoring processes per model start with the run: while the models train, they import, and build the
    own cases with the source's tokenizer (a share each, written to WORK/cases/ for all); a trained model uses them
-   when its tokenizer is the same (it is: `adapt` saves the source's), else builds its own. Each case is scored with
-   `retrieval.run_case` (as `diff-llama evaluate` does) or, for RULER's, `retrieval.ruler.run_ruler_case` (as
-   `diff-llama ruler` does). A step of a 135M model on a GPU is mostly kernel launches from Python, so processes, not
-   batches, fill the GPU. The cases are shuffled with a fixed seed, and every process takes the next case nobody
-   took, of whichever trained model has the fewer cases taken: the source's first, while DIFF V2 still trains, then
-   DIFF V2's until it caught up. So no process waits for the other model, and a run cut short has scored a random
-   subset of every cell, the same one for both models.
+   when its tokenizer is the same (it is: `adapt` saves the source's), else builds its own. A process scores
+   `--batch` cases at a time, each generator's in one left-padded batch, with `retrieval.run_cases` (what `diff-llama
+   evaluate` runs a case with) or, for RULER's, `retrieval.ruler.run_ruler_cases` (as `diff-llama ruler` does): a
+   row's answer is the case's alone (tests/test_retrieval.py checks it). On a GPU a decoding step of a 135M model is
+   kernel launches; the processes' kernels take turns on the GPU, so the first run's 7 processes a model, one case
+   each, spent 65-80 ms a step, and a batch's rows share each launch. The cases are shuffled with a fixed seed, and
+   every process takes the next cases nobody took, of whichever trained model has the fewer cases taken: the
+   source's first, while DIFF V2 still trains, then DIFF V2's until it caught up. So no process waits for the other
+   model, and a run cut short has scored a random subset of every cell, about the same one for both models.
 4. The cases both models scored are paired; the exact McNemar test (`retrieval.paired_comparison`) per generator and
    pooled; NAME.json (with the suite's metadata) and NAME.md.
 
@@ -30,7 +32,7 @@ processes 15 seconds before the end; every result a worker wrote until then is k
 file as it is scored) and the report is written from them.
 
 Usage: python -m bench cuda_retrieval --model SOURCE --output DIR --work DIR [--name cuda-retrieval]
-                                      [--max-seconds S] [--workers W] [--dry-run]
+                                      [--max-seconds S] [--workers W] [--batch B] [--dry-run]
 scripts/run_cuda_retrieval.sh runs it on a GPU machine (the model arrives there in two calls; see that script).
 """
 
@@ -78,7 +80,8 @@ class Plan:
     ruler_file: str = str(RULER_CASES)
     ruler_lengths: tuple | None = None  # None: every length in the file
     ruler_cases_per_cell: int | None = None  # None: every case of each (task, length)
-    workers: int = 7  # scoring processes per model
+    workers: int = 4  # scoring processes per model
+    batch: int = 16  # cases a scoring process scores at once (one model's, one generator's)
     max_seconds: float | None = None
     training_share: float = 0.35  # adapt's own budget, of the training steps alone
     training_stop: float = 0.6  # the trainings (and the conversion) are stopped at this share of the budget
@@ -90,7 +93,7 @@ class Plan:
         """The same steps with a tiny budget: two training steps on short examples, five cases a model."""
         values = dict(device=device, dtype="float32", steps=2, own_lengths=(512,), own_settings=("2x1",),
                       own_depths=(0.0, 100.0), own_cases_per_depth=1, ruler_lengths=(2048,), ruler_cases_per_cell=1,
-                      workers=1, dry_run=True,
+                      workers=1, batch=3, dry_run=True,
                       adapt_options=("--min-length", "384", "--max-length", "512", "--max-needles", "2",
                                      "--max-queries", "2", "--text-block", "128", "--warmup-steps", "1",
                                      "--eval-lengths", "512", "--eval-settings", "2x1"))
@@ -266,8 +269,9 @@ class Worker:
             return NeedleCase(**self.prebuilt[key])
         return make_case(tokenizer, **self.own[key.partition("/")[2]])
 
-    def next_case(self) -> tuple[str, int] | None:
-        """(model, case index) claimed for this worker; None once every case of every model is taken or cannot be."""
+    def next_cases(self) -> tuple[str, list[int]] | None:
+        """(model, case indices) claimed for this worker, up to a batch of one model's cases; None once every case of
+        every model is taken or cannot be."""
         while True:
             waiting, open_models = False, []
             for name in MODELS:
@@ -277,35 +281,50 @@ class Worker:
                     open_models.append(name)
             open_models.sort(key=lambda name: (claimed(self.work, name), name != self.spec["home"]))
             for name in open_models:
-                while self.cursor[name] < len(self.keys):
+                taken = []
+                while self.cursor[name] < len(self.keys) and len(taken) < self.spec["batch"]:
                     index = self.cursor[name]
                     self.cursor[name] += 1
                     if claim(self.work, name, index):
-                        return name, index
+                        taken.append(index)
+                if taken:
+                    return name, taken
             if not waiting:
                 return None
             time.sleep(0.2)
 
-    def score(self, name: str, key: str) -> dict:
-        from diff_llama.retrieval import run_case
+    def score(self, name: str, keys: list[str]) -> list[dict]:
+        """The cases `keys` of model `name`, each generator's in one batch (`retrieval.run_cases`, as `diff-llama
+        evaluate` scores a case; `retrieval.ruler.run_ruler_cases`, as `diff-llama ruler` does). A case's seconds are
+        its share of its batch's."""
+        from diff_llama.retrieval import run_cases
         from diff_llama.retrieval.evaluate import case_fields
-        from diff_llama.retrieval.ruler import run_ruler_case
+        from diff_llama.retrieval.ruler import run_ruler_cases
 
         model, tokenizer, same = self.load(name)
-        generator, _, ident = key.partition("/")
-        started = time.perf_counter()
-        if generator == "own":
-            case = self.own_case(key, tokenizer, same)
-            built = time.perf_counter()
-            result = {**case_fields(case), **run_case(model, tokenizer, case)}
-        else:
-            built = started
-            result = run_ruler_case(model, tokenizer, self.ruler[ident])
-        # Where a case's time goes: building it, and its answer's length (a decoding step a token).
-        result.update(seconds=round(time.perf_counter() - started, 3), build_seconds=round(built - started, 3),
-                      worker=self.spec["name"], done_at=round(time.time() - self.spec["run_started"], 1),
-                      answer_tokens=len(tokenizer(result["output"], add_special_tokens=False).input_ids))
-        return {"key": key, "generator": generator, **result}
+        scored = []
+        for generator in GENERATORS:
+            batch = [key for key in keys if key.partition("/")[0] == generator]
+            if not batch:
+                continue
+            started = time.perf_counter()
+            if generator == "own":
+                cases = [self.own_case(key, tokenizer, same) for key in batch]
+                built = time.perf_counter()
+                results = [{**case_fields(case), **result} for case, result in zip(cases, run_cases(model, tokenizer,
+                                                                                                    cases))]
+            else:
+                built = started
+                results = run_ruler_cases(model, tokenizer, [self.ruler[key.partition("/")[2]] for key in batch])
+            share, build_share = (time.perf_counter() - started) / len(batch), (built - started) / len(batch)
+            done_at = round(time.time() - self.spec["run_started"], 1)
+            for key, result in zip(batch, results):
+                # Where a case's time goes: building it, and its answer's length (a decoding step a token).
+                result.update(seconds=round(share, 3), build_seconds=round(build_share, 3), batch=len(batch),
+                              worker=self.spec["name"], done_at=done_at,
+                              answer_tokens=len(tokenizer(result["output"], add_special_tokens=False).input_ids))
+                scored.append({"key": key, "generator": generator, **result})
+        return scored
 
     def run(self) -> int:
         import torch
@@ -314,11 +333,12 @@ class Worker:
         torch.empty(0, device=self.spec["device"])  # the device's context, made while the models train
         files = {}
         try:
-            while (taken := self.next_case()) is not None:
-                name, index = taken
+            while (taken := self.next_cases()) is not None:
+                name, indices = taken
                 if name not in files:
                     files[name] = open(self.work / f"results-{name}-{self.spec['name']}.jsonl", "a")
-                files[name].write(json.dumps(self.score(name, self.keys[index])) + "\n")
+                for result in self.score(name, [self.keys[index] for index in indices]):
+                    files[name].write(json.dumps(result) + "\n")
                 files[name].flush()
         finally:
             for handle in files.values():
@@ -463,7 +483,8 @@ class Run:
         options = own_options(plan)
         own, ruler = case_plan(options), select_ruler_cases(plan)
         keys = [f"own/{case['seed']}" for case in own] + [f"ruler/{case['id']}" for case in ruler["cases"]]
-        spec = {"device": plan.device, "dtype": plan.dtype, "own_options": dataclasses.asdict(options),
+        spec = {"device": plan.device, "dtype": plan.dtype, "batch": plan.batch,
+                "own_options": dataclasses.asdict(options),
                 "ruler_file": plan.ruler_file, "source": self.model,
                 "run_started": time.time() - (time.monotonic() - self.started)}  # the run's clock, for done_at
         try:
@@ -546,8 +567,8 @@ class Run:
 
 
 def seconds_per_answer_token(results) -> float | None:
-    """A case's scoring time (without building it) over its answer's tokens and the one that ended it, in all: about
-    a decoding step's time, the prefill included."""
+    """The cases' scoring time (without building them; a case's share of its batch) over their answers' tokens and
+    the one that ended each, in all: a decoding step's time over the rows of its batch, the prefill included."""
     timed = [r for r in results if "answer_tokens" in r]
     steps = sum(r["answer_tokens"] + 1 for r in timed)
     return round(sum(r["seconds"] - r["build_seconds"] for r in timed) / steps, 4) if steps else None
@@ -614,10 +635,11 @@ def render(result: dict) -> str:
               f"{', '.join(map(str, own['lengths']))} tokens, {own['cases_per_depth']} per depth, seed {own['seed']}). "
               f"RULER cases: {ruler['count']} of {ruler['file']} ({ruler['generator']}, seed {ruler['seed']}, sized "
               f"with {ruler['tokenizer']}'s tokenizer).",
-              f"Scored: {result['scored']['source']} and {result['scored']['v2']} cases; median seconds a case: "
+              f"Scored: {result['scored']['source']} and {result['scored']['v2']} cases, in batches of up to "
+              f"{plan.get('batch', 1)}; median seconds a case (its share of its batch): "
               + ", ".join(f"{LABELS[m]} {s:.2f}" if s is not None else f"{LABELS[m]} –"
                           for m, s in result["median_case_seconds"].items())
-              + "".join(f"; seconds an answer token (decoding step): " + ", ".join(
+              + "".join("; seconds an answer token: " + ", ".join(
                   f"{LABELS[m]} {s:.3f}" if s is not None else f"{LABELS[m]} –" for m, s in per_token.items())
                   for per_token in [result.get("seconds_per_answer_token")] if per_token)
               + f"; run {result['seconds']:.0f} s of {plan['max_seconds'] or '∞'} s.", ""]
@@ -657,7 +679,8 @@ def main():
     parser.add_argument("--work", help="folder for the models and the workers' files (large; not brought back)")
     parser.add_argument("--name", default="cuda-retrieval")
     parser.add_argument("--max-seconds", type=float, default=None, help="the whole run's time budget")
-    parser.add_argument("--workers", type=int, default=None, help="scoring processes per model (default: 7)")
+    parser.add_argument("--workers", type=int, default=None, help="scoring processes per model (default: 4)")
+    parser.add_argument("--batch", type=int, default=None, help="cases a process scores at once (default: 16)")
     parser.add_argument("--dry-run", action="store_true", help="the same steps with a tiny budget, on the CPU too")
     parser.add_argument("--score", metavar="SPEC", help=argparse.SUPPRESS)  # a worker (started by the run)
     args = parser.parse_args()
@@ -668,8 +691,9 @@ def main():
     device = "cuda" if cuda_device_count() or torch_sees_cuda() else "cpu"
     model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model  # children run elsewhere
     changes = {"max_seconds": args.max_seconds}
-    if args.workers:
-        changes["workers"] = args.workers
+    for option in ("workers", "batch"):
+        if getattr(args, option):
+            changes[option] = getattr(args, option)
     plan = Plan.for_dry_run(device, **changes) if args.dry_run else Plan(device=device, **changes)
     if device == "cpu" and not args.dry_run:
         print("cuda_retrieval: no CUDA device; a full run on a CPU takes hours: pass --dry-run", file=sys.stderr)

@@ -17,7 +17,7 @@
 #
 # Usage: bash scripts/run_cuda_retrieval.sh --stash DIR                  # first call: keep DIR's files in the stash
 #        bash scripts/run_cuda_retrieval.sh [--dry-run] [--budget SECONDS] [--payload DIR] [--model MODEL]
-#                                           [--workers N] [--work DIR] OUT
+#                                           [--workers N] [--batch N] [--work DIR] OUT
 #   OUT          folder for the results (created; relative to the current directory); never bench/results, which
 #                holds the results the docs cite. A GPU call brings back 8 files at most: OUT gets 5.
 #   --payload D  stash D's files, join the model's halves and check them, install the wheels: the model is then
@@ -26,14 +26,15 @@
 #   --dry-run    the same steps with a tiny budget (2 training steps, 5 cases a model): on a 2-core CPU about 5
 #                minutes with SmolLM2, 1 to 2 with a tiny LLaMA (--model). Run it before spending GPU time.
 #   --budget S   wall-clock seconds for everything, the join included (default 300).
-#   --workers N  scoring processes per model (default 7; the dry run 1); each scores whichever model is behind.
+#   --workers N  scoring processes per model (default 4; the dry run 1); each scores whichever model is behind.
+#   --batch N    cases a scoring process scores at once, left-padded (default 16; the dry run 3).
 #   --work D     folder for the converted and trained models and the workers' files (default: a new folder in
 #                ${TMPDIR:-/tmp}, removed at the end).
 # The stash is ${DIFF_LLAMA_STASH:-/tmp/diff-llama-payload}.
 # Writes OUT/device.txt, run.log, cuda-retrieval.json (with the run's metadata), cuda-retrieval.md and logs.txt.
 set -uo pipefail
 usage="usage: bash scripts/run_cuda_retrieval.sh [--dry-run] [--budget SECONDS] [--payload DIR] [--model MODEL]\
- [--workers N] [--work DIR] OUT, or --stash DIR"
+ [--workers N] [--batch N] [--work DIR] OUT, or --stash DIR"
 started=$SECONDS
 stash=${DIFF_LLAMA_STASH:-/tmp/diff-llama-payload}
 dry_run=()
@@ -63,7 +64,10 @@ while [ $# -gt 0 ]; do
             budget=$2; shift 2 ;;
         --workers)
             [[ "${2:-}" =~ ^[1-9][0-9]*$ ]] || fail "--workers needs a whole number of processes, 1 or more. $usage"
-            workers=(--workers "$2"); shift 2 ;;
+            workers+=(--workers "$2"); shift 2 ;;
+        --batch)
+            [[ "${2:-}" =~ ^[1-9][0-9]*$ ]] || fail "--batch needs a whole number of cases, 1 or more. $usage"
+            workers+=(--batch "$2"); shift 2 ;;
         --payload|--model|--work)
             [ $# -ge 2 ] || fail "$1 needs a value. $usage"
             case "$1" in --payload) payload=$2 ;; --model) model=$2 ;; --work) work=$2 ;; esac

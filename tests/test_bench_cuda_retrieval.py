@@ -111,6 +111,11 @@ def test_the_dry_run_trains_both_models_scores_both_generators_and_ends_with_the
     assert generators == {"own": 2, "ruler": 3}
     assert saved["comparison"]["pooled"]["cases"] == 5 and saved["comparison"]["ruler"]["cases"] == 3
     assert saved["mismatched_prompts"] == []  # each model's worker built the same own cases
+    # Each worker scored its claims in batches of up to 3 (the dry run's), each generator's apart.
+    for name in cuda_retrieval.MODELS:
+        sizes = collections.Counter((r["worker"], r["done_at"], r["generator"]) for r in saved["results"][name])
+        assert max(sizes.values()) > 1 and all(r["batch"] == sizes[r["worker"], r["done_at"], r["generator"]]
+                                               for r in saved["results"][name])
     before = (out / "cuda-retrieval.md").read_text()
     suite.render_file(out / "cuda-retrieval.json", echo=False)
     assert (out / "cuda-retrieval.md").read_text() == before
@@ -217,6 +222,7 @@ def test_bad_input_is_refused_in_one_line_and_nothing_is_written(tmp_path, paylo
                           (["--dry-run", str(results / "new")], "OUT is inside bench/results"),
                           (["--budget", "soon", "x"], "--budget needs whole seconds"),
                           (["--workers", "0", "x"], "--workers needs a whole number"),
+                          (["--batch", "many", "x"], "--batch needs a whole number"),
                           (["--rounds", "3", "x"], "unknown option --rounds before OUT"),
                           (["--payload", str(payload[0] / "call2"), "x"], "part 1 of model.gguf is not in")):
         result = run_script(SCRIPT, *args, cwd=tmp_path, stash=tmp_path / "stash")

@@ -195,18 +195,19 @@ def _evaluate_argv(llama, out, *extra):
 
 
 def _count_cases(monkeypatch, stop_at=None):
-    """Count the cases scored (the real run_case); with `stop_at`, press Ctrl-C as that case starts."""
+    """Count the cases scored (the real run_cases, a case a call by default); with `stop_at`, press Ctrl-C as that
+    case starts."""
     from diff_llama.retrieval import evaluate
 
-    calls, real = [], evaluate.run_case
+    calls, real = [], evaluate.run_cases
 
-    def run_case(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == stop_at:
+    def run_cases(model, tokenizer, cases, *args, **kwargs):
+        calls.extend([1] * len(cases))
+        if len(calls) - len(cases) < (stop_at or 0) <= len(calls):  # this call has case `stop_at`
             raise KeyboardInterrupt
-        return real(*args, **kwargs)
+        return real(model, tokenizer, cases, *args, **kwargs)
 
-    monkeypatch.setattr(evaluate, "run_case", run_case)
+    monkeypatch.setattr(evaluate, "run_cases", run_cases)
     return calls
 
 

@@ -32,11 +32,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_llama(vocab_size, seed=0):
+def tiny_llama(vocab_size, seed=0, **overrides):
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
-                         num_attention_heads=6, num_key_value_heads=3, head_dim=8, max_position_embeddings=512,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+    config = LlamaConfig(**{**dict(vocab_size=vocab_size, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                                   num_attention_heads=6, num_key_value_heads=3, head_dim=8,
+                                   max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                   attn_implementation="sdpa"), **overrides})
     return LlamaForCausalLM(config).eval()
 
 
@@ -209,6 +210,82 @@ def test_lookahead_decoding_gives_the_same_answers_and_stops(tokenizer, kind):
     assert greedy_answer(model, tokenizer, case.input_ids, 8, lookahead=True)[0] == expected != plain
 
 
+@pytest.mark.oldest_transformers
+@pytest.mark.parametrize("kind", ["llama", "diff_llama", "diff_v2"])
+def test_a_batch_answers_and_allocates_each_case_as_alone(tokenizer, kind):
+    """Cases of different lengths in one left-padded batch: each row's answer, where it stops (the token limit, an
+    end-of-sequence token, `answered`), and its attention allocation are the case's alone, with and without
+    lookahead."""
+    from diff_llama.retrieval.scoring import greedy_answer, greedy_answers, run_cases
+
+    varied = 0.2  # the initialisation's scale: at the default, a tiny model repeats one token whatever the prompt
+    if kind == "llama":
+        model = tiny_llama(len(tokenizer), seed=3, initializer_range=varied)
+    else:
+        model = tiny_model(vocab_size=len(tokenizer), max_position_embeddings=512, initializer_range=varied,
+                           diff_version=2 if kind == "diff_v2" else 1)
+        if kind == "diff_v2":  # λ varies by token and head
+            for layer in model.model.layers:
+                torch.nn.init.normal_(layer.self_attn.differential_lambda.lambda_proj.weight, std=1.0)
+    cases = [make_case(tokenizer, length, depth, 2, 1, seed=f"batch-{length}")
+             for length, depth in [(300, 0.5), (160, 0.0), (220, 1.0), (260, 0.25)]]
+    assert len({len(case.input_ids) for case in cases}) == 4  # every row but the longest is padded
+    alone = [run_case(model, tokenizer, case, max_new_tokens=6) for case in cases]
+    for lookahead in (False, True):
+        together = run_cases(model, tokenizer, cases, max_new_tokens=6, lookahead=lookahead)
+        for first, second in zip(alone, together):
+            assert second["output"] == first["output"]
+            for name, share in first["allocation"].items():
+                assert second["allocation"][name] == pytest.approx(share, abs=1e-6), name
+    # Rows that stop at different steps: `answered` after 2 and after 5 tokens (rows 0 and 1), an end-of-sequence
+    # token that row 2 states first, the limit (row 3).
+    prompts = [case.input_ids for case in cases]
+    plain = [model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+                            attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
+             for ids in prompts]
+    model.generation_config.eos_token_id = next(token for token in plain[2][1:]
+                                                if token not in plain[0][:2] + plain[1][:5] + plain[3])
+
+    class Stop:  # `answered` that stops after `after` tokens, and counts the tokens it saw
+        def __init__(self, after=None):
+            self.after, self.seen = after, 0
+
+        def __call__(self, text):
+            self.seen += 1
+            return self.seen == self.after
+
+    def answers(together, lookahead):
+        stops = [Stop(2), Stop(5), Stop(), Stop()]
+        if together:
+            texts = [text for text, _ in greedy_answers(model, tokenizer, prompts, 8, stops, lookahead=lookahead)]
+        else:
+            texts = [greedy_answer(model, tokenizer, ids, 8, stop)[0] for ids, stop in zip(prompts, stops)]
+        return texts, [stop.seen for stop in stops]
+
+    expected, seen = answers(False, False)
+    assert seen[:2] == [2, 5] and 1 <= seen[2] < 8 and seen[3] == 8, seen
+    for lookahead in (False, True):
+        assert answers(True, lookahead) == (expected, seen)
+
+
+def test_ruler_cases_in_a_batch_are_scored_as_alone(chat_tokenizer):
+    """RULER's cases of different lengths in one batch: the same answers, scores and prompt lengths as alone."""
+    from diff_llama.retrieval.ruler import run_ruler_case, run_ruler_cases
+    from diff_llama.retrieval.ruler_cases import read_case_file
+
+    cases = [case for case in read_case_file("bench/cases/ruler-smollm2-2k-4k.json.gz")["cases"]
+             if case["length"] == 2048][:3]
+    model = tiny_llama(len(chat_tokenizer), seed=5, initializer_range=0.2)  # varied answers (see above)
+    model.config.max_position_embeddings = 4096
+    alone = [run_ruler_case(model, chat_tokenizer, case, max_new_tokens=5) for case in cases]
+    together = run_ruler_cases(model, chat_tokenizer, cases, max_new_tokens=5)
+    def untimed(result):
+        return {key: value for key, value in result.items() if key != "seconds"}
+
+    assert list(map(untimed, together)) == list(map(untimed, alone))
+    assert len({result["prompt_tokens"] for result in alone}) > 1  # padded
+
+
 def test_effective_maps_dispatch(tokenizer):
     model = tiny_model(vocab_size=len(tokenizer))
     model.set_attn_implementation("eager")
@@ -292,6 +369,16 @@ def test_evaluate_command_writes_json_table_and_plot(tmp_path, tokenizer, capsys
     assert "Wrote" in captured.out and "Warning" not in captured.err  # 350 tokens: inside both models' 512
     lines = (out / "cases.jsonl").read_text().splitlines()
     assert len(lines) == 16 and json.loads(lines[-1])["model"] == "diff"
+    # In batches of 3 (left-padded: the prompts' lengths differ): each case's answer and allocation as alone.
+    assert main(["evaluate", str(tmp_path / "llama"), str(tmp_path / "diff"), "--output", str(tmp_path / "batched"),
+                 "--lengths", "250", "350", "--settings", "1x1", "3x2", "--depths", "0", "100", "--cases_per_depth",
+                 "1", "--max_new_tokens", "4", "--perplexity_tokens", "0", "--threads", "0", "--batch-size", "3"]) == 0
+    batched = json.loads((tmp_path / "batched" / "retrieval.json").read_text())
+    for alone, together in zip(report["models"], batched["models"]):
+        assert [c["output"] for c in together["cases"]] == [c["output"] for c in alone["cases"]]
+        for first, second in zip(alone["cases"], together["cases"]):
+            assert second["allocation"] == pytest.approx(first["allocation"], abs=1e-6)
+    assert len((tmp_path / "batched" / "cases.jsonl").read_text().splitlines()) == 16
     a = report["models"][0]["summary"]["allocation"]
     assert a["noise_share"] == pytest.approx(a["noise"] / a["total"])
     assert a["noise_share"] == pytest.approx(a["prefix_share"] + a["filler_share"] + a["other_needles_share"])
@@ -363,13 +450,20 @@ def test_evaluate_help_lists_the_options(capsys):
 def test_smollm2_retrieves_one_needle():
     from diff_llama.resolve import load_model
 
+    from diff_llama.retrieval import run_cases
+
     model, tokenizer = load_model("smollm2")
-    results = [run_case(model, tokenizer, make_case(tokenizer, 1024, depth, 1, 1, seed=f"slow-{depth}"))
-               for depth in (0.0, 0.5, 1.0)]
+    cases = [make_case(tokenizer, 1024, depth, 1, 1, seed=f"slow-{depth}") for depth in (0.0, 0.5, 1.0)]
+    results = [run_case(model, tokenizer, case) for case in cases]
     assert sum(r["correct"] for r in results) >= 2, [r["output"] for r in results]
     for r in results:
         assert r["allocation"]["total"] == pytest.approx(1.0, abs=1e-4)
         assert 0 < r["allocation"]["answer"] < 1
+    # The real model in one padded batch: each case's answer and allocation as alone.
+    assert len({len(case.input_ids) for case in cases}) > 1
+    for alone, together in zip(results, run_cases(model, tokenizer, cases)):
+        assert together["output"] == alone["output"]
+        assert together["allocation"] == pytest.approx(alone["allocation"], abs=1e-6)
 
 
 def _exact_two_sided(k: int, n: int) -> float:

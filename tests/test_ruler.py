@@ -110,7 +110,8 @@ def test_ruler_command_pairs_models_saves_cases_and_resumes(tmp_path, two_models
     assert "Wrote" in capsys.readouterr().out
     assert len((out / "cases.jsonl").read_text().splitlines()) == 2 * 8
 
-    # Cases built once (--cases-only), scored later elsewhere (--cases-file): the same cases and answers.
+    # Cases built once (--cases-only), scored later elsewhere (--cases-file), in batches of 3: the same cases and
+    # answers.
     saved = tmp_path / "cases"
     assert main(["ruler", two_models[0], "--output", str(saved), "--cases-only", *common]) == 0
     assert "--cases-file" in capsys.readouterr().out
@@ -118,7 +119,7 @@ def test_ruler_command_pairs_models_saves_cases_and_resumes(tmp_path, two_models
     assert read_case_file(saved / "ruler_cases.json")["cases"] == read_case_file(out / "ruler_cases.json")["cases"]
     later = tmp_path / "later"
     assert main(["ruler", *two_models[::-1], "--output", str(later), "--cases-file", str(saved / "ruler_cases.json"),
-                 "--max_new_tokens", "3", "--threads", "0"]) == 0
+                 "--max_new_tokens", "3", "--threads", "0", "--batch-size", "3"]) == 0
     rescored = json.loads((later / "ruler.json").read_text())
     for first, second in zip(report["models"], rescored["models"][::-1]):
         assert [(c["id"], c["output"]) for c in first["cases"]] == [(c["id"], c["output"]) for c in second["cases"]]

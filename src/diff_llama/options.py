@@ -247,6 +247,9 @@ class RetrievalArguments:
     cases_per_depth: int = field(default=2, metadata={"help": "cases per (length, NxR, depth)"})
     seed: int = field(default=0, metadata={"help": "seed of the cases (the same cases for every model)"})
     max_new_tokens: int = field(default=48, metadata={"help": "greedy tokens generated per case"})
+    batch_size: int = field(default=1, metadata={
+        "help": "cases scored at once, left-padded (fewer, larger steps: for a GPU); a case's answer is "
+        "the one it gets alone, up to rounding in half precision"})
     chat_template: bool = field(default=True, metadata={"help": "use the tokenizer's chat template when it has one"})
     attention: bool = field(default=True, metadata={"help": "measure attention allocation"})
     perplexity_tokens: int = field(default=2048, metadata={
@@ -258,7 +261,8 @@ class RetrievalArguments:
     device: str = field(default="cpu", metadata={"help": "cpu, cuda, ..."})
 
     def __post_init__(self):
-        require_at_least(1, cases_per_depth=self.cases_per_depth, max_new_tokens=self.max_new_tokens)
+        require_at_least(1, cases_per_depth=self.cases_per_depth, max_new_tokens=self.max_new_tokens,
+                         batch_size=self.batch_size)
         require_at_least(0, perplexity_tokens=self.perplexity_tokens, threads=self.threads)
 
     def parsed_settings(self) -> list[tuple[int, int]]:
@@ -304,6 +308,9 @@ class RulerOptions:
     cases_only: bool = field(default=False, metadata={
         "help": "build the cases with MODEL's tokenizer and write --output/ruler_cases.json; score nothing"})
     max_new_tokens: int = field(default=128, metadata={"help": "greedy tokens generated per case at most (RULER's)"})
+    batch_size: int = field(default=1, metadata={
+        "help": "cases scored at once, left-padded (fewer, larger steps: for a GPU); a case's answer is "
+        "the one it gets alone, up to rounding in half precision"})
     chat_template: bool = field(default=True, metadata={"help": "use the tokenizer's chat template when it has one"})
     threads: int = field(default=2, metadata={"help": "torch CPU threads (0: torch's default)"})
     dtype: str = field(default="float32", metadata={
@@ -321,7 +328,7 @@ class RulerOptions:
                                 f"{', '.join(RULER_OFFLINE_TASKS)}.")
         if self.cases < 1:
             raise UserError(f"--cases {self.cases}: give at least 1 case per task and length.")
-        require_at_least(1, max_new_tokens=self.max_new_tokens)
+        require_at_least(1, max_new_tokens=self.max_new_tokens, batch_size=self.batch_size)
         require_at_least(0, threads=self.threads)
         if self.cases_file and self.cases_only:
             raise UserError("--cases-only builds the cases and --cases-file reads them; give one of the two.")

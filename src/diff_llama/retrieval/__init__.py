@@ -3,7 +3,8 @@ for any causal LM: a plain LLaMA (folder, .gguf file or 'smollm2') as well as a 
 
 One module per concern, in the order a run goes through them:
 - `cases`: the prompts (needles in generated filler) and the class of every token;
-- `scoring`: one case's greedy answer, its exact match, and the attention allocation of the answering position;
+- `scoring`: a case's greedy answer (alone or in a batch), its exact match, and the attention allocation of the
+  answering position;
 - `evaluate`: every case through every model (`diff-llama evaluate`); models load through `resolve.load_model`;
 - `statistics`: summaries, the paired McNemar test, reports of separate runs merged;
 - `report`: the markdown tables, the plot and the files;
@@ -26,13 +27,22 @@ from .cases import (
 )
 from .evaluate import display_name, evaluate_model, evaluate_models, run_evaluate
 from .report import markdown_report, plot_report, write_report
-from .scoring import attention_allocation, effective_attention_maps, greedy_answer, map_kind, run_case, score_output
+from .scoring import (
+    attention_allocation,
+    effective_attention_maps,
+    greedy_answer,
+    greedy_answers,
+    map_kind,
+    run_case,
+    run_cases,
+    score_output,
+)
 from .statistics import join_lengths, merge_reports, paired_comparison, summarize
 
 __all__ = [
     "CATEGORIES", "HELD_OUT_CITIES", "NOISE", "TRAINING_CITIES", "NeedleCase", "attention_allocation", "case_plan",
     "display_name", "effective_attention_maps", "evaluate_model", "evaluate_models", "filler_sentences",
-    "greedy_answer", "join_lengths", "make_case", "make_cases", "map_kind", "markdown_report", "merge_reports",
-    "needle_sentence", "paired_comparison", "plot_report", "question_text", "run_case", "run_evaluate", "score_output",
-    "summarize", "write_report",
+    "greedy_answer", "greedy_answers", "join_lengths", "make_case", "make_cases", "map_kind", "markdown_report",
+    "merge_reports", "needle_sentence", "paired_comparison", "plot_report", "question_text", "run_case", "run_cases",
+    "run_evaluate", "score_output", "summarize", "write_report",
 ]

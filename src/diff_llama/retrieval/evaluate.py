@@ -17,7 +17,7 @@ from ..errors import Interrupted, UserError
 from ..options import RetrievalArguments
 from .cases import make_cases
 from .report import markdown_report, write_report
-from .scoring import map_kind, run_case
+from .scoring import map_kind, run_cases
 from .statistics import summarize
 
 
@@ -48,6 +48,23 @@ def _kept_result(line: dict, case, name: str) -> dict:
     return {key: value for key, value in line.items() if key != "model"}
 
 
+def scored_in_batches(cases: list, batch_size: int, score, name: str, progress_file: str | Path | None = None,
+                      **progress) -> list[dict]:
+    """`score(batch)` of each batch of `batch_size` cases in turn, under a progress bar (tqdm's `progress` options);
+    with `progress_file`, each batch's results are appended to it (a JSON line a case, with the model's `name`) as
+    soon as they are known."""
+    results = []
+    with tqdm(**progress) as bar:
+        for start in range(0, len(cases), batch_size):
+            batch = score(cases[start:start + batch_size])
+            results += batch
+            if progress_file is not None:
+                with open(progress_file, "a") as handle:
+                    handle.writelines(json.dumps({"model": name, **result}) + "\n" for result in batch)
+            bar.update(len(batch))
+    return results
+
+
 def evaluate_model(model, tokenizer, options: RetrievalArguments, name: str = "model",
                    progress_file: str | Path | None = None, scored: list[dict] = ()) -> dict:
     """Retrieval and allocation of one loaded model on the cases `options` describe, plus held-out perplexity.
@@ -57,13 +74,15 @@ def evaluate_model(model, tokenizer, options: RetrievalArguments, name: str = "m
     cases = make_cases(tokenizer, options)
     results = [_kept_result(line, case, name) for line, case in zip(scored, cases)]
     started = time.perf_counter()
-    for case in tqdm(cases[len(results):], desc=f"evaluate {name}", initial=len(results), total=len(cases)):
-        case_started = time.perf_counter()
-        result = run_case(model, tokenizer, case, options.max_new_tokens, options.attention)
-        results.append({**case_fields(case), **result, "seconds": round(time.perf_counter() - case_started, 3)})
-        if progress_file is not None:
-            with open(progress_file, "a") as handle:
-                handle.write(json.dumps({"model": name, **results[-1]}) + "\n")
+
+    def score(batch: list) -> list[dict]:
+        batch_started = time.perf_counter()
+        answers = run_cases(model, tokenizer, batch, options.max_new_tokens, options.attention)
+        seconds = round((time.perf_counter() - batch_started) / len(batch), 3)  # a case's share of its batch
+        return [{**case_fields(case), **result, "seconds": seconds} for case, result in zip(batch, answers)]
+
+    results += scored_in_batches(cases[len(results):], options.batch_size, score, name, progress_file,
+                                 desc=f"evaluate {name}", initial=len(results), total=len(cases))
     seconds = time.perf_counter() - started + sum(r.get("seconds", 0.0) for r in results[:len(scored)])
     report = {"name": name, "model_type": model.config.model_type, "maps": map_kind(model),
               "dtype": str(model.dtype).removeprefix("torch."), "seconds": round(seconds, 1), "cases": results}

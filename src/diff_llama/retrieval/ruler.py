@@ -17,13 +17,19 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from ..errors import UserError
 from ..options import RulerOptions
-from .evaluate import display_name, interrupted_run, run_description, scoring_interrupted, warn_past_context
+from .evaluate import (
+    display_name,
+    interrupted_run,
+    run_description,
+    scored_in_batches,
+    scoring_interrupted,
+    warn_past_context,
+)
 from .ruler_cases import build_ruler_cases, case_file_contents, read_case_file, ruler_prompt, write_case_file
-from .scoring import greedy_answer
+from .scoring import greedy_answers
 from .statistics import mean_or_none, paired_comparison
 
 _UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
@@ -55,15 +61,29 @@ def score_ruler_output(text: str, case: dict) -> list[bool]:
 
 def run_ruler_case(model, tokenizer, case: dict, max_new_tokens: int = 128, chat_template: bool = True) -> dict:
     """One case's greedy answer and score."""
-    input_ids = ruler_prompt(tokenizer, case, chat_template)
-    complete, wanted = COMPLETE_VALUE_PATTERNS[case["value_type"]], len(case["outputs"])
+    return run_ruler_cases(model, tokenizer, [case], max_new_tokens, chat_template)[0]
+
+
+def run_ruler_cases(model, tokenizer, cases: list[dict], max_new_tokens: int = 128, chat_template: bool = True,
+                    lookahead: bool | None = None) -> list[dict]:
+    """`run_ruler_case` for several cases in one batch (`greedy_answers`); "seconds" is the batch's share a case."""
+    prompts = [ruler_prompt(tokenizer, case, chat_template) for case in cases]
     started = time.perf_counter()
-    text, _ = greedy_answer(model, tokenizer, input_ids, max_new_tokens,
-                            lambda text: len(stated_values(text, case, complete)) >= wanted)
-    found = score_ruler_output(text, case)
-    return {"id": case["id"], "task": case["task"], "length": case["length"], "prompt_tokens": len(input_ids),
-            "expected": case["outputs"], "output": text, "found": found, "correct": all(found),
-            "seconds": round(time.perf_counter() - started, 3)}
+    answers = greedy_answers(model, tokenizer, prompts, max_new_tokens, [_stated(case) for case in cases],
+                             lookahead=lookahead)
+    seconds = round((time.perf_counter() - started) / len(cases), 3)
+    results = []
+    for case, input_ids, (text, _) in zip(cases, prompts, answers):
+        found = score_ruler_output(text, case)
+        results.append({"id": case["id"], "task": case["task"], "length": case["length"],
+                        "prompt_tokens": len(input_ids), "expected": case["outputs"], "output": text, "found": found,
+                        "correct": all(found), "seconds": seconds})
+    return results
+
+
+def _stated(case: dict):
+    complete, wanted = COMPLETE_VALUE_PATTERNS[case["value_type"]], len(case["outputs"])
+    return lambda text: len(stated_values(text, case, complete)) >= wanted
 
 
 def summarize_ruler(results: list[dict]) -> dict:
@@ -92,11 +112,10 @@ def score_model(model, tokenizer, cases: list[dict], options: RulerOptions, name
     """Every case through one loaded model; each result is appended to `progress_file` as it is known. `scored`: an
     interrupted run's first results for this model, kept instead of scored again."""
     results = [_kept(line, case, name) for line, case in zip(scored, cases)]
-    for case in tqdm(cases[len(results):], desc=f"ruler {name}", initial=len(results), total=len(cases)):
-        results.append(run_ruler_case(model, tokenizer, case, options.max_new_tokens, options.chat_template))
-        if progress_file is not None:
-            with open(progress_file, "a") as handle:
-                handle.write(json.dumps({"model": name, **results[-1]}) + "\n")
+    results += scored_in_batches(
+        cases[len(results):], options.batch_size,
+        lambda batch: run_ruler_cases(model, tokenizer, batch, options.max_new_tokens, options.chat_template), name,
+        progress_file, desc=f"ruler {name}", initial=len(results), total=len(cases))
     return {"name": name, "model_type": model.config.model_type, "dtype": str(model.dtype).removeprefix("torch."),
             "seconds": round(sum(r["seconds"] for r in results), 1), "summary": summarize_ruler(results),
             "cases": results}

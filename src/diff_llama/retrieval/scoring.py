@@ -96,7 +96,6 @@ def _eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-@torch.no_grad()
 def greedy_answer(model, tokenizer, input_ids: list[int], max_new_tokens: int, answered=None,
                   categories: list[int] | None = None, lookahead: bool | None = None) -> tuple[str, dict | None]:
     """The greedy continuation of `input_ids` (with a cache), stopped at an end-of-sequence token, after
@@ -106,48 +105,98 @@ def greedy_answer(model, tokenizer, input_ids: list[int], max_new_tokens: int, a
     `lookahead` (default: on an accelerator) queues each step before the previous token is read back, so that the
     host prepares the next step while the device computes; the same steps run on the same inputs, so the answer is
     the same, at the price of one step computed after the last."""
-    ids = torch.tensor([input_ids], device=model.device)
+    return greedy_answers(model, tokenizer, [input_ids], max_new_tokens, None if answered is None else [answered],
+                          None if categories is None else [categories], lookahead)[0]
+
+
+@torch.no_grad()
+def greedy_answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, answered=None,
+                   categories=None, lookahead: bool | None = None) -> list[tuple[str, dict | None]]:
+    """`greedy_answer` for several prompts at once (`answered` and `categories`: one per prompt, or None): one batch,
+    left-padded, with the positions and the mask `generate` gives it, so each row computes what it computes alone.
+    A row stops as it would alone; the batch runs until every row has stopped. One prompt runs without padding or
+    mask, exactly as before batches existed."""
+    rows = len(prompts)
+    width = max(len(ids) for ids in prompts)
+    pads = [width - len(ids) for ids in prompts]
+    filler = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked: any id does
+    ids = torch.tensor([[filler] * pad + list(prompt) for pad, prompt in zip(pads, prompts)], device=model.device)
+    padded = any(pads)
+    if padded:
+        mask = torch.tensor([[0] * pad + [1] * len(prompt) for pad, prompt in zip(pads, prompts)], device=model.device)
+        mask = torch.cat([mask, mask.new_ones(rows, max_new_tokens)], dim=-1)  # the answer's tokens too
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # each row's first token at position 0, as alone
+
+    def padding(start: int, end: int) -> dict:
+        """The mask and positions of a forward over the batch's tokens start..end (none without padding)."""
+        return {"attention_mask": mask[:, :end], "position_ids": positions[:, start:end]} if padded else {}
+
     backend = model.config._attn_implementation
     past = None
-    if ids.shape[1] > 1:  # only the cache is used: no logits over the whole prompt
-        past = output_cache(model(input_ids=ids[:, :-1], use_cache=True, logits_to_keep=1))
-    shares = None
+    if width > 1:  # only the cache is used: no logits over the whole prompt
+        past = output_cache(model(input_ids=ids[:, :-1], use_cache=True, logits_to_keep=1, **padding(0, width - 1)))
+    shares = [None] * rows
     if categories is not None:
         _set_attention(model, "eager")
         try:
             # Hidden states too: DIFF V2's λ is a function of each layer's input at this token.
             out = model(input_ids=ids[:, -1:], **cache_kwargs(past), use_cache=True, output_attentions=True,
-                        output_hidden_states=True)
-            shares = attention_allocation(effective_attention_maps(model, out), categories)
+                        output_hidden_states=True, **padding(width - 1, width))
+            maps = effective_attention_maps(model, out)
+            shares = [attention_allocation([m[row:row + 1, ..., pads[row]:] for m in maps], categories[row])
+                      for row in range(rows)]
         finally:
             _set_attention(model, backend)
     else:
-        out = model(input_ids=ids[:, -1:], **cache_kwargs(past), use_cache=True)
+        out = model(input_ids=ids[:, -1:], **cache_kwargs(past), use_cache=True, **padding(width - 1, width))
     if lookahead is None:
         lookahead = model.device.type != "cpu"
+
+    def step(out, next_ids, index: int):  # reads the answer's token `index`, gives the logits of the next one
+        return model(input_ids=next_ids, **cache_kwargs(output_cache(out)), use_cache=True,
+                     **padding(width + index, width + index + 1))
+
     stop = _eos_ids(model, tokenizer)
-    generated = []
-    for step in range(max_new_tokens):
-        next_ids = out.logits[:, -1:].argmax(-1)  # (1, 1), on the model's device
-        if lookahead and step + 1 < max_new_tokens:
-            out = model(input_ids=next_ids, **cache_kwargs(output_cache(out)), use_cache=True)
-        token = int(next_ids)  # waits for the device (under lookahead, while the next step is queued)
-        if token in stop:
+    generated = [[] for _ in range(rows)]
+    running = set(range(rows))
+    for index in range(max_new_tokens):
+        next_ids = out.logits[:, -1:].argmax(-1)  # (rows, 1), on the model's device
+        if lookahead and index + 1 < max_new_tokens:
+            out = step(out, next_ids, index)
+        tokens = next_ids[:, 0].tolist()  # waits for the device (under lookahead, while the next step is queued)
+        for row in sorted(running):
+            if tokens[row] in stop:
+                running.discard(row)
+                continue
+            generated[row].append(tokens[row])
+            if answered is not None and answered[row](tokenizer.decode(generated[row], skip_special_tokens=True)):
+                running.discard(row)
+        if not running:
             break
-        generated.append(token)
-        if answered is not None and answered(tokenizer.decode(generated, skip_special_tokens=True)):
-            break
-        if not lookahead and step + 1 < max_new_tokens:
-            out = model(input_ids=next_ids, **cache_kwargs(output_cache(out)), use_cache=True)
-    return tokenizer.decode(generated, skip_special_tokens=True), shares
+        if not lookahead and index + 1 < max_new_tokens:
+            out = step(out, next_ids, index)
+    return [(tokenizer.decode(tokens, skip_special_tokens=True), share) for tokens, share in zip(generated, shares)]
 
 
 def run_case(model, tokenizer, case: NeedleCase, max_new_tokens: int = 48, allocation: bool = True) -> dict:
     """Greedy answer to one case (with a cache) and, if `allocation`, the attention allocation of the position that
     generates the first answer token."""
+    return run_cases(model, tokenizer, [case], max_new_tokens, allocation)[0]
+
+
+def run_cases(model, tokenizer, cases: list[NeedleCase], max_new_tokens: int = 48, allocation: bool = True,
+              lookahead: bool | None = None) -> list[dict]:
+    """`run_case` for several cases in one batch (`greedy_answers`)."""
     # The answer is the first R numbers the model states: stop once R complete 7-digit-or-longer runs are out.
-    text, shares = greedy_answer(model, tokenizer, case.input_ids, max_new_tokens,
-                                 lambda text: len(_COMPLETE_NUMBER.findall(text)) >= case.num_queries,
-                                 case.categories if allocation else None)
-    found = score_output(text, case.query_numbers)
-    return {"output": text, "found": found, "correct": all(found), "allocation": shares}
+    answers = greedy_answers(model, tokenizer, [case.input_ids for case in cases], max_new_tokens,
+                             [_stated(case.num_queries) for case in cases],
+                             [case.categories for case in cases] if allocation else None, lookahead)
+    results = []
+    for case, (text, shares) in zip(cases, answers):
+        found = score_output(text, case.query_numbers)
+        results.append({"output": text, "found": found, "correct": all(found), "allocation": shares})
+    return results
+
+
+def _stated(count: int):
+    return lambda text: len(_COMPLETE_NUMBER.findall(text)) >= count
