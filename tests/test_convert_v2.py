@@ -134,9 +134,12 @@ def test_fine_tunes_like_its_source_and_recover_refuses(tmp_path, tokenizer):
         before = perplexity(AutoModelForCausalLM.from_pretrained(source), held_out, window=64)
         assert results["llama"] < 0.9 * before  # the training moved the source
         assert results["v2"] <= 1.05 * results["llama"], (lora, before, results)
+    # recover refuses from the config alone, before it loads anything or makes its output (weights unreadable here)
+    (tmp_path / "v2" / "model.safetensors").write_bytes(b"not weights")
     with pytest.raises(ValueError, match="DIFF V2"):
         recover(str(tmp_path / "v2"), RecoveryOptions(output=str(tmp_path / "recovered"), source=str(source),
                                                       max_steps=1))
+    assert not (tmp_path / "recovered").exists()
 
 
 def test_diff_v2_is_the_default_and_refuses_version_1_options(tmp_path, tokenizer, capsys):

@@ -210,12 +210,15 @@ def recover(model_path: str, options: RecoveryOptions) -> dict:
     from .evaluation import perplexity
     from .output_folder import give_weights_the_usual_permissions
 
-    from .resolve import ModelNotFoundError, find_model
+    from .resolve import ModelNotFoundError, find_model, load_config
 
     if options.threads:
         torch.set_num_threads(options.threads)
     output_dir = Path(options.output)
     find_model(model_path, tokenizer=True)  # a mistyped MODEL is named as such, not as a model without its source
+    if getattr(load_config(model_path), "diff_version", 1) == 2:  # refused before anything heavy loads
+        raise UserError(f"{model_path} is a DIFF V2 conversion, which already computes its source exactly: "
+                        "distillation has nothing to recover (its gradient is zero). Fine-tune it with `diff-llama train`.")
     source = options.source
     if source is None:
         report_path = Path(model_path) / "conversion_report.json"
@@ -232,9 +235,6 @@ def recover(model_path: str, options: RecoveryOptions) -> dict:
     checkpoint = resume_checkpoint(output_dir, options.resume)
     user_text = read_text(options.data) if options.data else None  # a wrong path fails before any loading
     tokenizer, student = load_for_training(model_path, options.seed)
-    if getattr(student.config, "diff_version", 1) == 2:
-        raise UserError(f"{model_path} is a DIFF V2 conversion, which already computes its source exactly: "
-                        "distillation has nothing to recover (its gradient is zero). Fine-tune it with `diff-llama train`.")
     teacher = load_teacher(source)
     if teacher.config.vocab_size != student.config.vocab_size:
         raise UserError(f"source vocabulary ({teacher.config.vocab_size}) differs from the model's "
