@@ -316,3 +316,24 @@ def test_train_peak_memory_is_the_cpu_prediction():
         del model
         torch.cuda.empty_cache()
         assert abs(predicted / measured - 1) < 0.01, (name, predicted, measured)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_retrieval_cases_in_a_padded_batch_answer_as_alone_on_cuda(tokenizer, version):
+    """The GPU retrieval run scores its cases in left-padded batches: on CUDA (SDPA, lookahead decoding), each row's
+    answer and attention allocation are the case's alone in float32, and bf16 batches give finite allocations."""
+    from conftest import tiny_model
+    from diff_llama.retrieval import make_case, run_case, run_cases
+
+    cases = [make_case(tokenizer, length, depth, 2, 1, seed=f"cuda-batch-{length}")
+             for length, depth in [(300, 0.5), (160, 0.0), (220, 1.0), (260, 0.25)]]
+    model = tiny_model(vocab_size=len(tokenizer), max_position_embeddings=512, initializer_range=0.2,
+                       diff_version=version)
+    model = on_cuda(model, torch.float32, "sdpa")
+    alone = [run_case(model, tokenizer, case, max_new_tokens=6) for case in cases]
+    for first, second in zip(alone, run_cases(model, tokenizer, cases, max_new_tokens=6)):
+        assert second["output"] == first["output"]
+        assert second["allocation"] == pytest.approx(first["allocation"], abs=FP32_ATOL)
+    model = model.to(torch.bfloat16)
+    for result in run_cases(model, tokenizer, cases, max_new_tokens=6):
+        assert all(torch.isfinite(torch.tensor(share)) for share in result["allocation"].values())
