@@ -218,7 +218,8 @@ def recover(model_path: str, options: RecoveryOptions) -> dict:
     find_model(model_path, tokenizer=True)  # a mistyped MODEL is named as such, not as a model without its source
     if getattr(load_config(model_path), "diff_version", 1) == 2:  # refused before anything heavy loads
         raise UserError(f"{model_path} is a DIFF V2 conversion, which already computes its source exactly: "
-                        "distillation has nothing to recover (its gradient is zero). Fine-tune it with `diff-llama train`.")
+                        "distillation has nothing to recover (its gradient is zero). Fine-tune it with "
+                        "`diff-llama train`.")
     source = options.source
     if source is None:
         report_path = Path(model_path) / "conversion_report.json"
