@@ -261,10 +261,15 @@ def test_recover_names_a_recorded_source_that_moved(tmp_path, capsys, tokenizer)
     from diff_llama.conversion.converter import ConversionOptions, convert_llama_to_diff_llama
 
     source = make_llama(tmp_path / "llama", tokenizer, num_hidden_layers=1)
-    convert_llama_to_diff_llama(str(source), str(tmp_path / "diff"), ConversionOptions(evaluate=False), progress=False)
+    for version in (1, 2):
+        convert_llama_to_diff_llama(str(source), str(tmp_path / f"v{version}"),
+                                    ConversionOptions(diff_version=version, evaluate=False), progress=False)
     shutil.rmtree(source)
-    err = _fails_in_one_line(capsys, ["recover", str(tmp_path / "diff"), "--output", str(tmp_path / "out")])
+    err = _fails_in_one_line(capsys, ["recover", str(tmp_path / "v1"), "--output", str(tmp_path / "out")])
     assert f"{source}: no such folder" in err and "the source recorded in" in err and "pass --source" in err, err
+    # A DIFF V2 model cannot be recovered wherever its source is: that is said first, not where the source went.
+    err = _fails_in_one_line(capsys, ["recover", str(tmp_path / "v2"), "--output", str(tmp_path / "out")])
+    assert "is a DIFF V2 conversion" in err and "--source" not in err, err
     assert not (tmp_path / "out").exists()
 
 
