@@ -294,11 +294,10 @@ class Worker:
             time.sleep(0.2)
 
     def score(self, name: str, keys: list[str]) -> list[dict]:
-        """The cases `keys` of model `name`, each generator's in one batch (`retrieval.run_cases`, as `diff-llama
-        evaluate` scores a case; `retrieval.ruler.run_ruler_cases`, as `diff-llama ruler` does). A case's seconds are
-        its share of its batch's."""
-        from diff_llama.retrieval import run_cases
-        from diff_llama.retrieval.evaluate import case_fields
+        """The cases `keys` of model `name`, each generator's in one batch (`retrieval.evaluate.scored_cases`, as
+        `diff-llama evaluate` scores a case; `retrieval.ruler.run_ruler_cases`, as `diff-llama ruler` does). A case's
+        seconds are its share of its batch's."""
+        from diff_llama.retrieval.evaluate import scored_cases
         from diff_llama.retrieval.ruler import run_ruler_cases
 
         model, tokenizer, same = self.load(name)
@@ -311,8 +310,7 @@ class Worker:
             if generator == "own":
                 cases = [self.own_case(key, tokenizer, same) for key in batch]
                 built = time.perf_counter()
-                results = [{**case_fields(case), **result} for case, result in zip(cases, run_cases(model, tokenizer,
-                                                                                                    cases))]
+                results = scored_cases(model, tokenizer, cases)
             else:
                 built = started
                 results = run_ruler_cases(model, tokenizer, [self.ruler[key.partition("/")[2]] for key in batch])

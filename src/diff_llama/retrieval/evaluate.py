@@ -38,6 +38,12 @@ def case_fields(case) -> dict:
             "answer_positions": [min(case.answer_positions), max(case.answer_positions)]}
 
 
+def scored_cases(model, tokenizer, cases: list, max_new_tokens: int = 48, allocation: bool = True) -> list[dict]:
+    """`run_cases` (one batch), each result with its case's fields, as retrieval.json and cases.jsonl hold it."""
+    answers = run_cases(model, tokenizer, cases, max_new_tokens, allocation)
+    return [{**case_fields(case), **result} for case, result in zip(cases, answers)]
+
+
 def _kept_result(line: dict, case, name: str) -> dict:
     """A result of an interrupted run, checked to be the one of `case` for model `name`."""
     fields = json.loads(json.dumps(case_fields(case)))  # as read back from JSON
@@ -50,13 +56,17 @@ def _kept_result(line: dict, case, name: str) -> dict:
 
 def scored_in_batches(cases: list, batch_size: int, score, name: str, progress_file: str | Path | None = None,
                       **progress) -> list[dict]:
-    """`score(batch)` of each batch of `batch_size` cases in turn, under a progress bar (tqdm's `progress` options);
-    with `progress_file`, each batch's results are appended to it (a JSON line a case, with the model's `name`) as
-    soon as they are known."""
+    """`score(batch)` of each batch of `batch_size` cases in turn, under a progress bar (tqdm's `progress` options),
+    each result's "seconds" its share of its batch's; with `progress_file`, each batch's results are appended to it
+    (a JSON line a case, with the model's `name`) as soon as they are known."""
     results = []
     with tqdm(**progress) as bar:
         for start in range(0, len(cases), batch_size):
+            started = time.perf_counter()
             batch = score(cases[start:start + batch_size])
+            seconds = round((time.perf_counter() - started) / len(batch), 3)
+            for result in batch:
+                result["seconds"] = seconds
             results += batch
             if progress_file is not None:
                 with open(progress_file, "a") as handle:
@@ -74,15 +84,10 @@ def evaluate_model(model, tokenizer, options: RetrievalArguments, name: str = "m
     cases = make_cases(tokenizer, options)
     results = [_kept_result(line, case, name) for line, case in zip(scored, cases)]
     started = time.perf_counter()
-
-    def score(batch: list) -> list[dict]:
-        batch_started = time.perf_counter()
-        answers = run_cases(model, tokenizer, batch, options.max_new_tokens, options.attention)
-        seconds = round((time.perf_counter() - batch_started) / len(batch), 3)  # a case's share of its batch
-        return [{**case_fields(case), **result, "seconds": seconds} for case, result in zip(batch, answers)]
-
-    results += scored_in_batches(cases[len(results):], options.batch_size, score, name, progress_file,
-                                 desc=f"evaluate {name}", initial=len(results), total=len(cases))
+    results += scored_in_batches(
+        cases[len(results):], options.batch_size,
+        lambda batch: scored_cases(model, tokenizer, batch, options.max_new_tokens, options.attention), name,
+        progress_file, desc=f"evaluate {name}", initial=len(results), total=len(cases))
     seconds = time.perf_counter() - started + sum(r.get("seconds", 0.0) for r in results[:len(scored)])
     report = {"name": name, "model_type": model.config.model_type, "maps": map_kind(model),
               "dtype": str(model.dtype).removeprefix("torch."), "seconds": round(seconds, 1), "cases": results}
