@@ -181,6 +181,11 @@ def test_a_resumed_run_goes_on_from_the_first_example_it_had_not_trained_on(tmp_
         adapt(killed, chat_tokenizer, AdaptationOptions(**options, save_steps=2), tmp_path / "run", name="tiny")
     assert (tmp_path / "run/checkpoint-2/adapt_state.json").exists()
 
+    # a checkpoint of a diff-llama older than an option (here frozen_layers) resumes as if it had the default
+    state_file = tmp_path / "run/checkpoint-2/adapt_state.json"
+    state = json.loads(state_file.read_text())
+    del state["options"]["frozen_layers"]
+    state_file.write_text(json.dumps(state))
     built.append("resumed")
     kill[0] = False
     resumed = v2_model(chat_tokenizer)  # the model as loaded from MODEL again: the checkpoint's weights replace it
@@ -196,6 +201,13 @@ def test_a_resumed_run_goes_on_from_the_first_example_it_had_not_trained_on(tmp_
     with pytest.raises(ValueError, match="trained with other options \\(learning_rate"):
         adapt(v2_model(chat_tokenizer), chat_tokenizer,
               AdaptationOptions(**{**options, "learning_rate": 1e-4}, resume=True), tmp_path / "run", name="tiny")
+    state_file = max((tmp_path / "run").glob("checkpoint-*/adapt_state.json"))  # the one --resume takes
+    state = json.loads(state_file.read_text())
+    del state["options"]["frozen_layers"]
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="trained with other options \\(frozen_layers 0, not 1"):
+        adapt(v2_model(chat_tokenizer), chat_tokenizer,
+              AdaptationOptions(**options, frozen_layers=1, resume=True), tmp_path / "run", name="tiny")
 
 
 def test_an_indexed_stream_is_the_sequential_one(chat_tokenizer):

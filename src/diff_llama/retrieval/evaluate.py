@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import Interrupted, UserError
-from ..options import RetrievalArguments
+from ..options import RetrievalArguments, option_defaults
 from .cases import make_cases
 from .report import markdown_report, write_report
 from .scoring import map_kind, run_cases
@@ -136,18 +136,20 @@ def _read_progress(progress_file: Path) -> list[dict]:
     return lines
 
 
-def interrupted_run(output: Path, run: dict, command: str = "evaluate",
+def interrupted_run(output: Path, run: dict, options_type: type = RetrievalArguments, command: str = "evaluate",
                     report_file: str = "retrieval.json") -> list[dict] | None:
     """The results so far of an interrupted run of `command` (evaluate, ruler) in `output` with the same models and
-    options (`run`), to resume; None when `output` holds no interrupted run of it (a finished one has its
-    `report_file`). Refuses one with other models or options."""
+    options (`run`, its options of `options_type`), to resume; None when `output` holds no interrupted run of it (a
+    finished one has its `report_file`). Refuses one with other models or options; an option the interrupted run did
+    not record counts as its default."""
     from ..output_folder import read_marker
 
     marker = read_marker(output) if output.is_dir() else None
     if not marker or marker.get("command") != command or (output / report_file).exists():
         return None
     earlier = marker.get("run", {})
-    pairs = [(earlier, run, ("models", "names")), (earlier.get("options", {}), run["options"], run["options"])]
+    earlier_options = {**option_defaults(options_type), **earlier.get("options", {})}
+    pairs = [(earlier, run, ("models", "names")), (earlier_options, run["options"], run["options"])]
     differ = [f"{key} {then.get(key)!r}, not {now[key]!r}" for then, now, keys in pairs for key in keys
               if then.get(key) != now[key]]
     if differ:

@@ -194,7 +194,9 @@ def ruler_models(models: list[str], options: RulerOptions, overwrite: bool = Fal
     if options.cases_file:
         read_case_file(options.cases_file)  # a bad file too
     output, run = Path(options.output), run_description(models, names, options)
-    scored = None if overwrite or options.cases_only else interrupted_run(output, run, "ruler", "ruler.json")
+    scored = None
+    if not (overwrite or options.cases_only):
+        scored = interrupted_run(output, run, RulerOptions, "ruler", "ruler.json")
     if scored is not None:
         print(f"Resuming the interrupted run in {output}: the {len(scored)} case(s) already scored in cases.jsonl are "
               "kept, not scored again.", file=sys.stderr)
