@@ -308,6 +308,30 @@ def test_an_interrupted_train_names_its_last_checkpoint_and_resume_continues_fro
     assert main([*argv[:5], str(tmp_path / "early"), *argv[6:]]) == 0
 
 
+def test_an_interrupted_demo_leaves_its_output_as_it_was(tmp_path, capsys, monkeypatch):
+    """Ctrl-C after the demo saved its model, while it generates: the new folder is not left half made, and an
+    earlier demo's folder that --overwrite was replacing is kept."""
+    import diff_llama.demo
+
+    def interrupted_pipeline(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    out = tmp_path / "demo"
+    argv = ["demo", "--output", str(out), "--steps", "1"]
+    with monkeypatch.context() as patch:
+        patch.setattr(diff_llama.demo, "pipeline", interrupted_pipeline)
+        assert _interrupted(capsys, argv) == (
+            "diff-llama demo: interrupted; nothing was written; run the command again to start over")
+        assert not out.exists() and list(tmp_path.iterdir()) == []
+    assert main(argv) == 0
+    before = folder_checksum(out)
+    with monkeypatch.context() as patch:
+        patch.setattr(diff_llama.demo, "pipeline", interrupted_pipeline)
+        assert _interrupted(capsys, [*argv, "--overwrite"]) == (
+            f"diff-llama demo: interrupted; {out} is left as it was; run the command again to start over")
+    assert folder_checksum(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
+
+
 @pytest.mark.parametrize("command", [
     ["train", "{model}", "--data", "{text}", "--output", "{out}", "--max-steps", "2", "--save-steps", "1",
      "--block-size", "32", "--no-monitor"],
@@ -333,8 +357,8 @@ def test_the_weights_a_command_writes_are_as_readable_as_its_other_files(tmp_pat
 
 
 def test_a_failed_run_leaves_no_folder_it_created(tmp_path, capsys, monkeypatch):
-    """Bad input found after the output's folders were made: convert (an atomic output) and demo (a folder written
-    in place) remove the folders above the output that they created, and keep those that were there."""
+    """Bad input found after the output's folders were made: convert and demo (atomic outputs) and evaluate (a
+    folder written in place) remove the folders above the output that they created, and keep those that were there."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "kept").mkdir()
     assert "no such folder" in _fails_in_one_line(capsys, ["convert", str(tmp_path / "absent"), "new/sub/model"])

@@ -163,7 +163,8 @@ def demo(options: o.DemoOptions) -> int:
     from . import demo
     from .output_folder import give_weights_the_usual_permissions, new_output_folder
 
-    with new_output_folder(options.output, overwrite=options.overwrite, command="demo") as folder:
+    # Not in place: Ctrl-C, at any step, leaves the output as it was (the demo has nothing to resume from).
+    with new_output_folder(options.output, overwrite=options.overwrite, command="demo", in_place=False) as folder:
         demo.run_demo(folder, steps=options.steps, final_dir=options.output)
     give_weights_the_usual_permissions(options.output)
     return 0

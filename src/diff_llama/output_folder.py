@@ -234,14 +234,15 @@ def _remove_empty(folders: list[Path]) -> None:
 
 @contextlib.contextmanager
 def new_output_folder(path: str | os.PathLike, overwrite: bool = False, fix: str = "choose a new folder",
-                      command: str | None = None, inputs=(), **marker_details):
-    """The folder to write `path`'s new contents into: `path` itself when it is new or empty; with `overwrite`, a
-    temporary sibling that replaces `path` when the block ends without an error (and is removed when it fails).
-    With `command`, the folder gets the marker that lets a later `--overwrite` of the same command replace it.
-    `inputs`: what the command reads, which it never replaces."""
+                      command: str | None = None, inputs=(), in_place: bool = True, **marker_details):
+    """The folder to write `path`'s new contents into: `path` itself when it is new or empty (and `in_place`: a run
+    that resumes from what it wrote, or that the user watches fill up); otherwise a temporary sibling that replaces
+    `path` when the block ends without an error (and is removed when it fails). With `command`, the folder gets the
+    marker that lets a later `--overwrite` of the same command replace it. `inputs`: what the command reads, which
+    it never replaces."""
     remove_stale_temporaries(path)
     check_new_output(path, fix, overwrite, inputs=inputs, command=command)
-    if holds_files(path):
+    if holds_files(path) or not in_place:
         with AtomicOutputFolder(path, overwrite=True) as temporary:
             if command is not None:
                 write_marker(temporary, command, **marker_details)
