@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Tr
 
 from diff_llama.cli import main
 from diff_llama.recovery import distillation_kl, lambda_floor_penalty
-from diff_llama.training import TokenBlocks, lora_config, optimizer_for
+from diff_llama.training import TokenBlocks, joined_text, lora_config, optimizer_for, read_documents
 
 
 def _train_briefly(model, tokenizer, tmp_path, steps=3, **args):
@@ -122,6 +122,49 @@ def test_train_command_checkpoints_resumes_and_plots(tmp_path, saved_model):
     assert [e["step"] for e in history if "loss" in e] == [1, 2, 3, 4, 5, 6]
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert reloaded.get_lambdas().shape == (reloaded.config.num_hidden_layers,)
+
+
+def test_train_data_in_jsonl_holds_text_and_chats_in_the_models_template(tmp_path, chatml_tokenizer, tokenizer):
+    chat = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "Paris."}]
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"text": "The quick brown fox."}) + "\n\n" + json.dumps({"messages": chat}) + "\n")
+    documents = read_documents(data)
+    assert documents == ["The quick brown fox.", chat]
+    assert joined_text(documents, chatml_tokenizer) == (
+        "The quick brown fox.\n\n<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        "Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\nParis."
+        "<|im_end|>\n")
+    with pytest.raises(ValueError, match=f"{data} holds chat \"messages\", but the model's tokenizer has no chat "
+                                         "template"):
+        joined_text(documents, tokenizer, data)
+    # the train command: a chat line trains through the model's own template
+    saved_model = tmp_path / "chat-model"
+    tiny_model(vocab_size=len(chatml_tokenizer)).save_pretrained(saved_model)
+    chatml_tokenizer.save_pretrained(saved_model)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": chat}) + "\n" for _ in range(8)))
+    assert main(["train", str(saved_model), "--data", str(chats), "--output", str(tmp_path / "out"), "--block-size",
+                 "16", "--max-steps", "1", "--no-monitor"]) == 0
+
+
+@pytest.mark.parametrize("line, problem", [
+    ("not json", "is not valid JSON"),
+    ('"a JSON string that contains the word text"', 'has neither a "text" string nor a "messages" list'),
+    ('{"text": 5}', 'has neither a "text" string'),
+    ('{"prompt": "a", "completion": "b"}', 'has neither a "text" string'),
+    ('{"messages": []}', 'has neither a "text" string'),
+    ('{"messages": [{"role": "user"}]}', 'has neither a "text" string'),
+])
+def test_a_bad_jsonl_line_is_one_line_naming_it_before_any_model_loads(tmp_path, capsys, line, problem):
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"text": "fine"}) + "\n" + line + "\n")
+    capsys.readouterr()
+    assert main(["train", str(tmp_path / "no-such-model"), "--data", str(data), "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith(f"diff-llama train: error: {data}:2 {problem}"), err
+    assert err.endswith('{"text": "..."} or {"messages": [{"role": "user", "content": "..."}, ...]}.')
+    assert not (tmp_path / "o").exists()
 
 
 def test_resume_passes_over_a_checkpoint_interrupted_while_being_written(tmp_path, saved_model, capsys):

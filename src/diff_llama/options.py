@@ -123,7 +123,9 @@ class TrainingRunOptions:
 class FineTuneOptions(TrainingRunOptions):
     """`diff-llama train`: fine-tuning with the Trainer, fully or with LoRA."""
 
-    data: str = field(metadata={"help": "training text: a .txt/.md/.rst/.jsonl file or a folder of them"})
+    data: str = field(metadata={"help": (
+        "training text: a .txt/.md/.rst/.jsonl file or a folder of them; a .jsonl line holds a \"text\" or chat "
+        "\"messages\" (written with the model's chat template)")})
     merge: bool = field(default=False, metadata={"help": "with --lora, save the merged model instead of the adapter"})
     epochs: float = field(default=1.0, metadata={"help": "passes over the data (--max-steps overrides it)"})
     learning_rate: float | None = field(default=None, metadata={"help": "default: 5e-5, or 2e-4 with --lora"})
@@ -149,7 +151,8 @@ class RecoveryOptions(TrainingRunOptions):
     source: str | None = field(default=None, metadata={"help": (
         "the source LLaMA (folder, .gguf, Hub id or 'smollm2'; default: the one recorded in MODEL/"
         "conversion_report.json)")})
-    data: str | None = field(default=None, metadata={"help": "training text (file or folder; default: built-in text)"})
+    data: str | None = field(default=None, metadata={"help": (
+        "training text, as train's --data (file or folder; default: built-in text)")})
     generate: int = field(default=0, metadata={"help": (
         "train on this many tokens sampled from the source itself instead (not with --data)")})
     minutes: float = field(default=30.0, metadata={"help": "training-time budget (evaluation excluded)"})

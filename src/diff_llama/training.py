@@ -40,30 +40,61 @@ MLP_PROJECTIONS = ["gate_proj", "up_proj", "down_proj"]
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".jsonl")
 
 
-def read_text(path: str | Path) -> str:
-    """Training text from a file or a folder (its .txt, .md, .rst and .jsonl files, recursively, in name order).
-
-    A .jsonl file contributes the "text" field of each line.
-    """
+def read_documents(path: str | Path) -> list[str | list[dict]]:
+    """The training documents in a file or a folder (its .txt, .md, .rst and .jsonl files, recursively, in name
+    order): a text file is one document, and each line of a .jsonl file is one, either its "text" (a string) or its
+    "messages" (a chat: a list of {"role": ..., "content": ...}, which `joined_text` renders with the tokenizer's chat
+    template). Checked whole before any model is loaded: a bad line fails at once, naming its file and line."""
     path = Path(path)
     if not path.exists():
         raise InputNotFoundError(f"training data {path} does not exist; pass a text file or a folder of them.")
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
-    texts = []
+    documents = []
     for file in files:
         if file.suffix == ".jsonl":
-            for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
-                if line.strip():
-                    record = json.loads(line)
-                    if "text" not in record:
-                        raise UserError(f'{file}:{number} has no "text" field; each JSON line needs one.')
-                    texts.append(record["text"])
+            documents += [_json_document(line, f"{file}:{number}")
+                          for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1)
+                          if line.strip()]
         else:
-            texts.append(file.read_text(encoding="utf-8"))
-    text = "\n\n".join(t for t in texts if t.strip())
-    if not text:
+            documents.append(file.read_text(encoding="utf-8"))
+    if not any(d.strip() if isinstance(d, str) else d for d in documents):
         raise UserError(f"found no text in {path} (looked for {', '.join(TEXT_SUFFIXES)} files).")
-    return text
+    return documents
+
+
+JSON_LINE_FORMS = '{"text": "..."} or {"messages": [{"role": "user", "content": "..."}, ...]}'
+
+
+def _json_document(line: str, where: str) -> str | list[dict]:
+    try:
+        record = json.loads(line)
+    except ValueError as error:
+        raise UserError(f"{where} is not valid JSON ({error}); each line of a .jsonl file is one JSON object, "
+                        f"{JSON_LINE_FORMS}.") from None
+    if isinstance(record, dict) and isinstance(record.get("text"), str):
+        return record["text"]
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if (isinstance(messages, list) and messages
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages)):
+        return messages
+    raise UserError(f"{where} has neither a \"text\" string nor a \"messages\" list of role/content strings; "
+                    f"each line needs one: {JSON_LINE_FORMS}.")
+
+
+def joined_text(documents: list[str | list[dict]], tokenizer=None, data: str | Path = "the training data") -> str:
+    """The documents as one training text, chats rendered by the tokenizer's chat template (whole conversations,
+    every token trained, as TRL's SFTTrainer does by default), separated by blank lines."""
+    if any(not isinstance(d, str) for d in documents) and not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"{data} holds chat \"messages\", but the model's tokenizer has no chat template to write "
+                        "them with; give \"text\" lines instead, or a model whose tokenizer has one.")
+    texts = [d if isinstance(d, str) else tokenizer.apply_chat_template(d, tokenize=False) for d in documents]
+    return "\n\n".join(t for t in texts if t.strip())
+
+
+def read_text(path: str | Path, tokenizer=None) -> str:
+    """`read_documents(path)` as one training text (`joined_text`); a chat needs the `tokenizer`'s chat template."""
+    return joined_text(read_documents(path), tokenizer, path)
 
 
 class TokenBlocks(torch.utils.data.Dataset):
@@ -292,9 +323,9 @@ def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> P
         )
     output_dir = Path(options.output)
     checkpoint = resume_checkpoint(output_dir, options.resume)
-    text = read_text(options.data)  # before loading the model: a wrong path fails at once
+    documents = read_documents(options.data)  # before loading the model: a wrong path or line fails at once
     tokenizer, model = load_for_training(model_path, options.seed)
-    dataset = TokenBlocks(tokenizer, text, options.block_size)
+    dataset = TokenBlocks(tokenizer, joined_text(documents, tokenizer, options.data), options.block_size)
     model = with_lora(model, options)
     learning_rate = options.learning_rate if options.learning_rate is not None else (2e-4 if options.lora else 5e-5)
     args = TrainingArguments(
