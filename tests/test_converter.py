@@ -326,6 +326,19 @@ def test_quantized_dtype_is_refused(tmp_path, llama_dir):
     _expect_error(tmp_path, llama_dir, "I8")
 
 
+@pytest.mark.parametrize("option", ["--calibration-text", "--eval-text"])
+def test_a_text_file_that_is_not_text_is_one_line_and_writes_nothing(tmp_path, llama_dir, capsys, option):
+    text = tmp_path / "scan.pdf.txt"
+    text.write_bytes(b"%PDF-1.7\n\xe2\x28\xa1 binary")
+    capsys.readouterr()
+    out = tmp_path / "diff"
+    assert main(["convert", str(llama_dir), str(out), "--diff-version", "1", option, str(text)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"diff-llama convert: error: {text} is not UTF-8 text (byte 9: invalid "
+                   "continuation byte); give a text file, or convert it to UTF-8.")
+    assert not out.exists()
+
+
 def test_paper_lambda_start_and_user_calibration_text(tmp_path, llama_dir, tokenizer):
     text = tmp_path / "calibration.txt"
     text.write_text("Attention is all you need, said the transformer to the recurrent network. " * 200)

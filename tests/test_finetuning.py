@@ -155,15 +155,23 @@ def test_train_data_in_jsonl_holds_text_and_chats_in_the_models_template(tmp_pat
     ('{"prompt": "a", "completion": "b"}', 'has neither a "text" string'),
     ('{"messages": []}', 'has neither a "text" string'),
     ('{"messages": [{"role": "user"}]}', 'has neither a "text" string'),
+    (b"\xff\xfe\x00", "is not UTF-8 text"),
 ])
 def test_a_bad_jsonl_line_is_one_line_naming_it_before_any_model_loads(tmp_path, capsys, line, problem):
+    """So is a file that is not UTF-8 text (the last case)."""
     data = tmp_path / "data.jsonl"
-    data.write_text(json.dumps({"text": "fine"}) + "\n" + line + "\n")
+    first = json.dumps({"text": "fine"}) + "\n"
+    data.write_bytes(first.encode() + line) if isinstance(line, bytes) else data.write_text(first + line + "\n")
     capsys.readouterr()
     assert main(["train", str(tmp_path / "no-such-model"), "--data", str(data), "--output", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith(f"diff-llama train: error: {data}:2 {problem}"), err
-    assert err.endswith('{"text": "..."} or {"messages": [{"role": "user", "content": "..."}, ...]}.')
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    if isinstance(line, bytes):
+        assert err == (f"diff-llama train: error: {data} is not UTF-8 text (byte {len(first)}: invalid start byte); "
+                       "give a text file, or convert it to UTF-8.")
+    else:
+        assert err.startswith(f"diff-llama train: error: {data}:2 {problem}"), err
+        assert err.endswith('{"text": "..."} or {"messages": [{"role": "user", "content": "..."}, ...]}.')
     assert not (tmp_path / "o").exists()
 
 

@@ -6,6 +6,9 @@ keep training/calibration text apart from held-out text.
 
 import importlib
 import inspect
+from pathlib import Path
+
+from .errors import UserError
 
 CALIBRATION_MODULES = ("argparse", "collections", "functools", "itertools", "pathlib", "subprocess", "threading")
 HELD_OUT_MODULES = ("json", "logging", "random", "string", "textwrap", "typing", "unittest")
@@ -46,3 +49,15 @@ def stdlib_docstrings(modules=CALIBRATION_MODULES, min_chars: int = 80, exclude:
                 seen.add(doc)
                 parts.append(doc)
     return "\n\n".join(parts)
+
+
+def read_text_file(path) -> str:
+    """A text file of the user's (training, calibration or evaluation text); one that cannot be read, or is not
+    UTF-8 text, is refused in one line."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise UserError(f"{path} is not UTF-8 text (byte {error.start}: {error.reason}); give a text file, or convert "
+                        "it to UTF-8.") from None
+    except OSError as error:
+        raise UserError(f"cannot read text file {path} ({error.strerror}).") from None

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from .corpus import read_text_file
 from .errors import InputNotFoundError, Interrupted, OutputExistsError, UserError
 from .options import FineTuneOptions, TrainingRunOptions
 
@@ -53,10 +54,10 @@ def read_documents(path: str | Path) -> list[str | list[dict]]:
     for file in files:
         if file.suffix == ".jsonl":
             documents += [_json_document(line, f"{file}:{number}")
-                          for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1)
+                          for number, line in enumerate(read_text_file(file).splitlines(), 1)
                           if line.strip()]
         else:
-            documents.append(file.read_text(encoding="utf-8"))
+            documents.append(read_text_file(file))
     if not any(d.strip() if isinstance(d, str) else d for d in documents):
         raise UserError(f"found no text in {path} (looked for {', '.join(TEXT_SUFFIXES)} files).")
     return documents

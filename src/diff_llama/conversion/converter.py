@@ -19,7 +19,7 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from .. import configuration_diff_llama
 from ..configuration_diff_llama import DiffLlamaConfig
-from ..corpus import CALIBRATION_MODULES, HELD_OUT_MODULES, stdlib_docstrings
+from ..corpus import CALIBRATION_MODULES, HELD_OUT_MODULES, read_text_file, stdlib_docstrings
 from ..model_card import write_model_card
 from ..options import ConversionOptions
 from ..output_folder import AtomicOutputFolder
@@ -254,12 +254,7 @@ def layerwise_runner(src: LlamaSource, version: VersionConversion, options: Conv
 
 def read_text(path: str | None, default_modules) -> str:
     """A text file's contents, or the standard-library docstrings of `default_modules` when no file is given."""
-    if path is None:
-        return stdlib_docstrings(default_modules)
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except OSError as error:
-        raise ConversionError(f"cannot read text file {path} ({error.strerror}).") from None
+    return stdlib_docstrings(default_modules) if path is None else read_text_file(path)
 
 
 def write_weights(src: LlamaSource, version: VersionConversion, options: ConversionOptions,
