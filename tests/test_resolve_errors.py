@@ -4,6 +4,7 @@
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -99,6 +100,33 @@ def test_train_and_evaluate_name_what_is_missing(tmp_path, capsys, case):
         err = _fails_in_one_line(capsys, argv)
         assert err.startswith(f"diff-llama {argv[0]}: error:") and expected in err, err
     assert not (tmp_path / "trained").exists() and not (tmp_path / "evaluation").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_weights_file_cut_short_is_named_before_any_work(tmp_path, capsys, tokenizer):
+    """A copy or download cut short: safetensors refuses its header. Every command that loads models names the file
+    at once (evaluate before it scores the first, good model), where transformers alone raises a SafetensorError."""
+    good, damaged = tmp_path / "good", tmp_path / "damaged"
+    for folder in (good, damaged):
+        tiny_model(vocab_size=len(tokenizer)).save_pretrained(folder, max_shard_size="20KB")
+        tokenizer.save_pretrained(folder)
+    shards = sorted(damaged.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    os.truncate(shards[1], shards[1].stat().st_size // 2)
+    expected = (f"error: {shards[1]} is truncated or corrupt (Error while deserializing header: incomplete metadata, "
+                "file not fully covered); copy or download the model again.")
+    for argv in (["generate", str(damaged), "Hi"], ["attention-map", str(damaged), "--text", "x", "--layer", "0"],
+                 ["evaluate", str(good), str(damaged), "--output", str(tmp_path / "evaluation")],
+                 ["serve", str(damaged), "--port", str(_free_port())]):
+        assert _fails_in_one_line(capsys, argv) == f"diff-llama {argv[0]}: {expected}"
+    assert not (tmp_path / "evaluation").exists()
+    with pytest.raises(ModelNotFoundError, match="truncated or corrupt"):
+        load_causal_lm(damaged)
 
 
 def test_generate_through_the_installed_cli(tmp_path):

@@ -153,7 +153,7 @@ def has_tokenizer_files(folder: str | os.PathLike) -> bool:
 
 def check_model_folder(location: ModelLocation, tokenizer: bool = False) -> None:
     """Refuse, in one line that names the fix, a local folder that is not a whole model (or, with `tokenizer`, lacks
-    a tokenizer). Without this, transformers fails on such folders while building a tokenizer and blames a missing
+    a tokenizer, or has a weights file cut short: `check_weights`). Without this, transformers fails on such folders while building a tokenizer and blames a missing
     sentencepiece or tiktoken, which is never the fix."""
     if not location.is_local or location.gguf_file:
         return
@@ -175,6 +175,7 @@ def check_model_folder(location: ModelLocation, tokenizer: bool = False) -> None
             f"{folder} has a model but no tokenizer (no tokenizer.json or tokenizer_config.json); save the tokenizer "
             f"of the model it came from into it: AutoTokenizer.from_pretrained(SOURCE).save_pretrained('{folder}')."
         )
+    check_weights(location)
 
 
 def check_hub_model(location: ModelLocation, revision: str | None = None) -> None:
@@ -286,8 +287,13 @@ def clean_tokenizer_config(folder: str | os.PathLike) -> None:
 def _load(auto_class, location: ModelLocation, **kwargs):
     import struct
 
+    from safetensors import SafetensorError
+
     try:
         return auto_class.from_pretrained(location.name_or_path, **location.from_pretrained_kwargs(), **kwargs)
+    except SafetensorError as error:  # a cut-short file that `check_weights` did not see (a Hub cache's copy)
+        raise ModelNotFoundError(f"{location.description} is truncated or corrupt ({_one_line(error)}); copy or "
+                                 "download the model again.") from error
     except OSError as error:  # what transformers raises for a missing file or an unreachable Hub
         where = "folder" if location.is_local else "Hub repository"
         raise ModelNotFoundError(f"cannot load {location.description} ({where}): {_one_line(error)}") from error
@@ -297,3 +303,19 @@ def _load(auto_class, location: ModelLocation, **kwargs):
         # What the GGUF reader raises for a truncated or corrupt file, without naming it.
         raise ModelNotFoundError(f"{location.description} cannot be read as a GGUF model ({_one_line(error)}); if it "
                                  "is truncated or corrupt, download it again.") from error
+
+
+def check_weights(location: ModelLocation) -> None:
+    """Refuse, in one line naming it, a local model's .safetensors file that safetensors cannot open: a copy or a
+    download cut short (its header promises more bytes than the file holds). Reads only the headers."""
+    from safetensors import SafetensorError, safe_open
+
+    if not location.is_local or location.gguf_file:
+        return
+    for file in sorted(Path(location.name_or_path).glob("*.safetensors")):
+        try:
+            with safe_open(file, "pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            raise ModelNotFoundError(f"{file} is truncated or corrupt ({_one_line(error)}); copy or download the "
+                                     "model again.") from None
