@@ -2,6 +2,7 @@
 (tests/fake_hub.py) through the real huggingface_hub client."""
 
 import json
+import os
 import time
 
 import pytest
@@ -84,6 +85,26 @@ def test_push_command_dry_run_and_errors(tmp_path, converted, capsys, online):
         check_publishable(plain)
     assert main(["push", str(tmp_path / "missing"), "alice/x"]) == 2
     assert "no such folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["config", "weights"])
+def test_push_refuses_a_folder_that_would_not_load_from_the_hub(tmp_path, converted, capsys, online, damage):
+    """A config.json that is not JSON, or a weights file cut short: one line, before anything is listed or sent."""
+    if damage == "config":
+        (converted / "config.json").write_text("{'model_type': 'diff_llama'}")
+        says = f"{converted}/config.json is not valid JSON (Expecting property name enclosed in double quotes"
+    else:
+        weights = converted / "model.safetensors"
+        os.truncate(weights, weights.stat().st_size - 100)
+        says = f"{weights} is truncated or corrupt (Error while deserializing header: incomplete metadata"
+    with FakeHub() as hub:
+        for dry_run in (["--dry-run"], []):
+            capsys.readouterr()
+            assert main(["push", str(converted), "alice/x", "--token", "hf_fake", *dry_run]) == 2
+            captured = capsys.readouterr()
+            assert captured.out == "" and captured.err.startswith(f"diff-llama push: error: {says}"), captured.err
+            assert captured.err.count("\n") == 1
+        assert hub.repos == {}
 
 
 def test_the_dry_run_lists_what_push_writes_for_a_folder_without_a_readme(converted, online, capsys):

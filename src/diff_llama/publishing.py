@@ -10,6 +10,7 @@ from pathlib import Path
 from .configuration_diff_llama import REMOTE_CODE_FILES
 from .errors import UserError
 from .model_card import build_model_card
+from .resolve import check_weights, resolve_model
 
 # Training leftovers that do not belong in a published model.
 IGNORE_PATTERNS = ["checkpoint-*", "checkpoint-*/**", ".*", "**/.*", "runs/**", "__pycache__/**", "*.pyc"]
@@ -27,12 +28,18 @@ def check_publishable(folder: str | Path) -> dict:
     if not (folder / "config.json").exists():
         raise UserError(f"{folder} has no config.json, so it is not a saved model: pass a folder written by "
                         "save_pretrained or diff-llama.")
-    config = json.loads((folder / "config.json").read_text())
-    if config.get("model_type") != "diff_llama":
-        raise UserError(f"{folder} holds a `{config.get('model_type')}` model, not a diff_llama one; push it with "
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except ValueError as error:
+        raise UserError(f"{folder}/config.json is not valid JSON ({error}); re-save the model with "
+                        "save_pretrained.") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type != "diff_llama":
+        raise UserError(f"{folder} holds a `{model_type}` model, not a diff_llama one; push it with "
                         "huggingface_hub (hf upload) instead.")
     if not any(folder.glob("*.safetensors")):
         raise UserError(f"{folder} has no .safetensors weights.")
+    check_weights(resolve_model(folder))  # a file cut short would publish a model nobody can load
     missing = [name for name in REMOTE_CODE_FILES if not (folder / name).exists()]
     if missing or "auto_map" not in config:
         raise UserError(f"{folder} lacks the remote code ({', '.join(missing) or 'auto_map in config.json'}), so "

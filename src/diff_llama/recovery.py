@@ -216,7 +216,8 @@ def recover(model_path: str, options: RecoveryOptions) -> dict:
     if options.threads:
         torch.set_num_threads(options.threads)
     output_dir = Path(options.output)
-    find_model(model_path, tokenizer=True)  # a mistyped MODEL is named as such, not as a model without its source
+    # A mistyped MODEL is named as such, not as a model without its source; its weights are read (and checked) later.
+    find_model(model_path, tokenizer=True, weights=False)
     if getattr(load_config(model_path), "diff_version", 1) == 2:  # refused before anything heavy loads
         raise UserError(f"{model_path} is a DIFF V2 conversion, which already computes its source exactly: "
                         "distillation has nothing to recover (its gradient is zero). Fine-tune it with "

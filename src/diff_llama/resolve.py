@@ -151,9 +151,9 @@ def has_tokenizer_files(folder: str | os.PathLike) -> bool:
     return any((folder / name).is_file() for name in TOKENIZER_FILE_NAMES) or any(folder.glob("*.tiktoken"))
 
 
-def check_model_folder(location: ModelLocation, tokenizer: bool = False) -> None:
+def check_model_folder(location: ModelLocation, tokenizer: bool = False, weights: bool = True) -> None:
     """Refuse, in one line that names the fix, a local folder that is not a whole model (or, with `tokenizer`, lacks
-    a tokenizer, or has a weights file cut short: `check_weights`). Without this, transformers fails on such folders while building a tokenizer and blames a missing
+    a tokenizer, or, with `weights`, has a weights file cut short: `check_weights`). Without this, transformers fails on such folders while building a tokenizer and blames a missing
     sentencepiece or tiktoken, which is never the fix."""
     if not location.is_local or location.gguf_file:
         return
@@ -175,7 +175,8 @@ def check_model_folder(location: ModelLocation, tokenizer: bool = False) -> None
             f"{folder} has a model but no tokenizer (no tokenizer.json or tokenizer_config.json); save the tokenizer "
             f"of the model it came from into it: AutoTokenizer.from_pretrained(SOURCE).save_pretrained('{folder}')."
         )
-    check_weights(location)
+    if weights:
+        check_weights(location)
 
 
 def check_hub_model(location: ModelLocation, revision: str | None = None) -> None:
@@ -197,11 +198,11 @@ def check_hub_model(location: ModelLocation, revision: str | None = None) -> Non
                              f"{reason}; check the path, or {hub.hub_fix()}.")
 
 
-def find_model(name: str | os.PathLike, tokenizer: bool = False) -> ModelLocation:
+def find_model(name: str | os.PathLike, tokenizer: bool = False, weights: bool = True) -> ModelLocation:
     """`resolve_model` plus `check_model_folder` or `check_hub_model`: for commands that check all their models
     before any work."""
     location = resolve_model(name)
-    check_model_folder(location, tokenizer=tokenizer)
+    check_model_folder(location, tokenizer=tokenizer, weights=weights)
     check_hub_model(location)
     return location
 
@@ -220,7 +221,7 @@ def load_config(name: str | os.PathLike, **kwargs):
     """`AutoConfig.from_pretrained` for any model argument (see `resolve_model`)."""
     from transformers import AutoConfig
 
-    return _load(AutoConfig, find_model(name), **kwargs)
+    return _load(AutoConfig, find_model(name, weights=False), **kwargs)
 
 
 def load_tokenizer(name: str | os.PathLike, **kwargs):
