@@ -23,6 +23,11 @@ if ! bash scripts/setup_env.sh "$venv" test --with "$vllm_requirement" --remove 
     exit 1
 fi
 export HF_HUB_OFFLINE=1
+# vLLM's engine processes leave their ZMQ socket files in the temporary folder when they are stopped (dozens a run):
+# the run gets a temporary folder of its own, removed when it ends.
+TMPDIR=$(mktemp -d)
+export TMPDIR
+trap 'rm -rf "$TMPDIR"' EXIT
 "$venv/bin/python" -c 'import transformers, vllm; print(f"vllm {vllm.__version__}, transformers {transformers.__version__}, tests marked vllm")'
 "$venv/bin/python" -m pytest -q -p no:cacheprovider -m vllm "$@"
 # transformers' own server (diff-llama serve) on the transformers that vLLM users get: the server changed between
