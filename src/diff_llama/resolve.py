@@ -153,8 +153,9 @@ def has_tokenizer_files(folder: str | os.PathLike) -> bool:
 
 def check_model_folder(location: ModelLocation, tokenizer: bool = False, weights: bool = True) -> None:
     """Refuse, in one line that names the fix, a local folder that is not a whole model (or, with `tokenizer`, lacks
-    a tokenizer, or, with `weights`, has a weights file cut short: `check_weights`). Without this, transformers fails on such folders while building a tokenizer and blames a missing
-    sentencepiece or tiktoken, which is never the fix."""
+    a tokenizer, or, with `weights`, has a weights file cut short: `check_weights`). Without this, transformers fails
+    on such folders while building a tokenizer and blames a missing sentencepiece or tiktoken, which is never the
+    fix."""
     if not location.is_local or location.gguf_file:
         return
     folder = Path(location.name_or_path)
@@ -228,7 +229,8 @@ def load_tokenizer(name: str | os.PathLike, **kwargs):
     """`AutoTokenizer.from_pretrained` for any model argument (see `resolve_model`)."""
     from transformers import AutoTokenizer
 
-    return _load(AutoTokenizer, find_model(name, tokenizer=True), **kwargs)
+    # Weights are checked where they load (`load_causal_lm`), not once more for the tokenizer loaded beside them.
+    return _load(AutoTokenizer, find_model(name, tokenizer=True, weights=False), **kwargs)
 
 
 def load_causal_lm(name: str | os.PathLike, **kwargs):
