@@ -1,9 +1,11 @@
+import io
 import json
 import math
 import re
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -231,6 +233,8 @@ def test_options_are_judged_while_parsing_in_one_line(capsys):
     (["generate", "m", "Hi", "--max-new-tokens", "0"], "--max-new-tokens must be 1 or more, not 0."),
     (["generate", "m", "Hi", "--temperature", "-1"], "--temperature must be 0 or more, not -1."),
     (["generate", "m", "Hi", "--top-p", "2"], "--top-p must be above 0 and at most 1, not 2."),
+    (["generate", "m", "Hi", "--temperature", "nan"], "argument --temperature: expected a number, got 'nan'"),
+    (["evaluate", "m", "--output", "{out}", "--depths", "50", "NaN"], "argument --depths: expected a number"),
     (["attention-map", "m", "--text", " ", "--layer", "0"], "--text is empty"),
     (["train", "m", "--data", "t.txt", "--output", "{out}", "--batch-size", "0"], "--batch-size must be 1 or more"),
     (["train", "m", "--data", "t.txt", "--output", "{out}", "--block-size", "0"], "--block-size must be 2 or more"),
@@ -306,6 +310,10 @@ def test_generate_command_streams_text(tmp_path, tokenizer, capsys):
     new_tokens = expected[0, inputs["input_ids"].shape[1] :]
     assert greedy.strip() == tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
     assert main(["generate", str(tmp_path / "m"), "The quick brown", "--max-new-tokens", "8", "--temperature", "1.0"]) == 0
+    capsys.readouterr()
+    with mock.patch("sys.stdin", io.StringIO("The quick brown\n")):  # `echo ... | diff-llama generate m -`
+        assert main(["generate", str(tmp_path / "m"), "-", "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out == greedy
 
 
 def test_attention_map_command_writes_pngs(tmp_path, tokenizer, capsys):

@@ -148,6 +148,36 @@ def test_train_data_in_jsonl_holds_text_and_chats_in_the_models_template(tmp_pat
                  "16", "--max-steps", "1", "--no-monitor"]) == 0
 
 
+def test_chat_content_in_text_parts_is_joined_as_vllm_joins_it(tmp_path):
+    """OpenAI's form of a message's content, a list of text parts, is the same chat as its text joined by
+    newlines (what vLLM sends a text-only model)."""
+    question = [{"type": "text", "text": "Describe"}, {"type": "text", "text": "a fox."}]
+    parts = {"messages": [{"role": "user", "content": question},
+                          {"role": "assistant", "content": "Quick and brown.", "name": "bot"}]}
+    (tmp_path / "data.jsonl").write_text(json.dumps(parts) + "\n")
+    assert read_documents(tmp_path / "data.jsonl") == [[
+        {"role": "user", "content": "Describe\na fox."},
+        {"role": "assistant", "content": "Quick and brown.", "name": "bot"}]]
+
+
+def test_a_data_folder_is_read_without_its_hidden_folders_and_a_model_folder_is_refused(
+        tmp_path, saved_model, capsys):
+    """`--data .` in a project read the .txt and .md files of its `.venv` (licences, package READMEs) and of
+    `.ipynb_checkpoints`; a model folder given as --data trained on its model card."""
+    data = tmp_path / "data"
+    for name, text in [("a.txt", "mine"), ("notes/b.md", "also mine"), (".venv/lib/LICENSE.txt", "a licence"),
+                       (".ipynb_checkpoints/a-checkpoint.txt", "an old copy"), (".hidden.txt", "hidden")]:
+        (data / name).parent.mkdir(parents=True, exist_ok=True)
+        (data / name).write_text(text)
+    assert read_documents(data) == ["mine", "also mine"]
+    capsys.readouterr()
+    assert main(["train", str(saved_model), "--data", str(saved_model), "--output", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"diff-llama train: error: {saved_model} is a model folder (it has a config.json), not training text; give "
+        "--data a text file or a folder of them (.txt, .md, .rst, .jsonl).")
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("line, problem", [
     ("not json", "is not valid JSON"),
     ('"a JSON string that contains the word text"', 'has neither a "text" string nor a "messages" list'),
@@ -155,6 +185,8 @@ def test_train_data_in_jsonl_holds_text_and_chats_in_the_models_template(tmp_pat
     ('{"prompt": "a", "completion": "b"}', 'has neither a "text" string'),
     ('{"messages": []}', 'has neither a "text" string'),
     ('{"messages": [{"role": "user"}]}', 'has neither a "text" string'),
+    ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]}',
+     'has neither a "text" string nor a "messages" list of chat messages (each a "role" and a text "content")'),
     (b"\xff\xfe\x00", "is not UTF-8 text"),
 ])
 def test_a_bad_jsonl_line_is_one_line_naming_it_before_any_model_loads(tmp_path, capsys, line, problem):
@@ -197,6 +229,54 @@ def test_resume_passes_over_a_checkpoint_interrupted_while_being_written(tmp_pat
     assert main(["train", *common, "--max-steps", "8", "--resume"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "was interrupted while being written" in err and "checkpoint-6" in err, err
+
+
+def test_a_lora_run_loads_wherever_a_model_does(tmp_path, saved_model, capsys, monkeypatch):
+    """`train --lora` writes an adapter folder. generate, evaluate and the loaders take it as a model: its base loaded
+    and the adapter merged in, λ included, the model `--merge` would have saved, from any working directory (the base
+    is recorded as an absolute path). serve and push, which hand the folder to other code, ask for a merged model."""
+    from diff_llama.resolve import load_causal_lm, load_config, load_tokenizer
+
+    (tmp_path / "text.txt").write_text(SAMPLE_TEXT)
+    monkeypatch.chdir(tmp_path)  # relative paths, as typed
+    common = ["--data", "text.txt", "--lora", "--max-steps", "2", "--block-size", "32", "--learning-rate", "1e-2",
+              "--lambda-learning-rate", "0.5", "--no-monitor"]
+    assert main(["train", saved_model.name, *common, "--output", "runs/lora"]) == 0
+    assert main(["train", saved_model.name, *common, "--output", "runs/merged", "--merge"]) == 0
+    adapter = tmp_path / "runs" / "lora"
+    recorded = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert recorded == str(saved_model.resolve())
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    ids = torch.tensor([[5, 9, 14, 3, 7, 11]])
+    with torch.no_grad():
+        loaded = load_causal_lm(adapter)(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "merged")(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(saved_model)(ids).logits
+        native = AutoModelForCausalLM.from_pretrained(adapter)(ids).logits  # transformers' own adapter loading
+    torch.testing.assert_close(loaded, merged, rtol=0, atol=1e-4)
+    torch.testing.assert_close(loaded, native, rtol=0, atol=1e-4)
+    assert (loaded - base).abs().max() > 1e-2  # what training changed is there
+    assert load_config(adapter).to_dict() == load_config(saved_model).to_dict()
+    assert load_tokenizer(adapter)("The quick").input_ids == load_tokenizer(saved_model)("The quick").input_ids
+
+    capsys.readouterr()
+    answers = []
+    for model in (adapter, tmp_path / "runs" / "merged"):
+        assert main(["generate", str(model), "The quick brown", "--raw", "--max-new-tokens", "6"]) == 0
+        answers.append(capsys.readouterr().out)
+    assert answers[0] == answers[1] and answers[0].strip()
+    assert main(["evaluate", str(adapter), "--output", "eval", "--lengths", "256", "--settings", "1x1", "--depths",
+                 "50", "--cases-per-depth", "1", "--perplexity-tokens", "0"]) == 0
+    capsys.readouterr()
+    for argv, says in [(["serve", str(adapter), "--port", "1"], "merge it into its base model"),
+                       (["push", str(adapter), "me/x", "--dry-run"], "merge it into its base model"),
+                       (["convert", str(adapter), "converted"], "is a LoRA adapter folder, not a whole LLaMA: merge"),
+                       (["export-builtin", str(adapter), "builtin"], "is a LoRA adapter folder, not a whole model")]:
+        assert main(argv) == 2 and says in capsys.readouterr().err, argv
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["eval"]
 
 
 def test_train_command_lora_merge_and_bad_data(tmp_path, saved_model, capsys):

@@ -138,6 +138,44 @@ def test_a_report_or_a_run_never_replaces_a_model_another_command_wrote(tmp_path
         assert folder_checksum(out) == before
 
 
+INSIDE_AN_INPUT = {
+    "convert": (["convert", "{llama}", "{llama}/diff"], "llama"),
+    "train-in-the-model": (["train", "{model}", "--data", "{text}", "--output", "{model}/run"], "model"),
+    "train-in-the-data": (["train", "{model}", "--data", "{data}", "--output", "{data}/runs/lora"], "data"),
+    "recover": (["recover", "{v1}", "--output", "{v1}/recovered"], "v1"),
+    "recover-in-the-source": (["recover", "{v1}", "--source", "{llama}", "--output", "{llama}/recovered"], "llama"),
+    "evaluate": (["evaluate", "{llama}", "{model}", "--output", "{model}/eval"], "model"),
+    "adapt": (["adapt", "{model}", "{model}/adapted"], "model"),
+    "attention-map": (["attention-map", "{model}", "--text", "The quick brown fox", "--layer", "0", "--output",
+                       "{model}/maps"], "model"),
+    "attention-map-in-the-source": (["attention-map", "{model}", "--text", "The fox", "--layer", "0", "--source",
+                                     "{llama}", "--output", "{llama}/maps"], "llama"),
+    "export-builtin": (["export-builtin", "{model}", "{model}/builtin"], "model"),
+}
+
+
+@pytest.mark.parametrize("command", INSIDE_AN_INPUT)
+def test_no_command_writes_its_output_inside_a_folder_it_reads(tmp_path, model_dir, llama_dir, capsys, command):
+    """`train M --output M/run` once wrote the run into the model folder it trained (which `push M` would then
+    upload), and `train M --data DIR --output DIR/run` into the data, whose model card the next run read as training
+    text. An output inside any folder a command reads is refused in one line, before any work, changing nothing."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "text.txt").write_text("The quick brown fox jumps over the lazy dog. " * 50)
+    v1 = tmp_path / "v1"
+    if command.startswith("recover"):
+        assert main(["convert", str(llama_dir), str(v1), "--diff-version", "1", "--no-evaluate"]) == 0
+    argv, read = INSIDE_AN_INPUT[command]
+    folders = dict(model=model_dir, llama=llama_dir, data=data, v1=v1)
+    argv = [a.format(text=data / "text.txt", **folders) for a in argv]
+    inputs = {name: folder_checksum(folder) for name, folder in folders.items() if folder.exists()}
+    output = argv[argv.index("--output") + 1] if "--output" in argv else argv[2]
+    err = _fails_in_one_line(capsys, argv)
+    assert err.endswith(f"error: {output} is inside {folders[read]}, which this command reads; writing there would "
+                        "change it, so give a folder outside it."), err
+    assert {name: folder_checksum(folders[name]) for name in inputs} == inputs
+
+
 def test_every_file_the_model_folders_hold_is_one_overwrite_may_replace(tmp_path, model_dir):
     write_marker(model_dir, "demo")
     for name in REMOTE_CODE_FILES:

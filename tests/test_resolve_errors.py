@@ -76,9 +76,12 @@ def test_a_model_folder_without_tokenizer_names_where_to_get_one(tmp_path, token
 
 
 @pytest.mark.parametrize("loader", [load_config, load_tokenizer, load_causal_lm])
-def test_an_adapter_folder_names_peft_and_its_base(tmp_path, loader):
+def test_an_adapter_on_a_base_that_is_not_there_names_both(tmp_path, loader):
+    """An adapter folder loads on its base model (tests/test_finetuning.py); when that base cannot be found, the one
+    line names the adapter, the base it records and why that base cannot load."""
     folder = _adapter(tmp_path)
-    with pytest.raises(AdapterFolderError, match=r"LoRA adapter folder.*`outputs/SmolLM2-diff`.*PeftModel"):
+    with pytest.raises(ModelNotFoundError, match=f"^{folder} is a LoRA adapter on `outputs/SmolLM2-diff`, which cannot "
+                                                 "be loaded: outputs/SmolLM2-diff: no such folder"):
         loader(folder)
 
 
@@ -92,7 +95,7 @@ def test_errors_are_model_not_found_errors():
 def test_train_and_evaluate_name_what_is_missing(tmp_path, capsys, case):
     folder = {"not-a-model": _not_a_model, "no-tokenizer": _model_without_tokenizer, "adapter": _adapter}[case](tmp_path)
     expected = {"not-a-model": "has no config.json", "no-tokenizer": "no tokenizer",
-                "adapter": "LoRA adapter folder"}[case]
+                "adapter": "is a LoRA adapter on `outputs/SmolLM2-diff`, which cannot be loaded"}[case]
     data = tmp_path / "data.txt"
     data.write_text("The quick brown fox jumps over the lazy dog. " * 50)
     for argv in (["train", str(folder), "--data", str(data), "--output", str(tmp_path / "trained")],
@@ -136,7 +139,7 @@ def test_generate_through_the_installed_cli(tmp_path):
     cases = {
         _not_a_model(tmp_path): "has no config.json",
         _model_without_tokenizer(tmp_path): "AutoTokenizer.from_pretrained(SOURCE).save_pretrained(",
-        _adapter(tmp_path): "LoRA adapter folder (adapter_config.json)",
+        _adapter(tmp_path): "is a LoRA adapter on `outputs/SmolLM2-diff`, which cannot be loaded",
     }
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("DIFF_LLAMA_TRACEBACK", None)
@@ -153,7 +156,11 @@ def test_adapter_config_without_a_base_still_names_peft(tmp_path):
     folder = tmp_path / "adapter"
     folder.mkdir()
     (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
-    with pytest.raises(AdapterFolderError, match="adapter_config.json names none"):
+    with pytest.raises(AdapterFolderError, match="names no base model.*PeftModel.from_pretrained"):
+        load_causal_lm(folder)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA",
+                                                            "base_model_name_or_path": str(folder)}))
+    with pytest.raises(AdapterFolderError, match="names itself as its base model"):
         load_causal_lm(folder)
 
 

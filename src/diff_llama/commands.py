@@ -3,6 +3,7 @@
 exit code. Heavy modules are imported inside the functions, so that a command loads only what it uses."""
 
 import os
+import sys
 from pathlib import Path
 
 from . import options as o
@@ -47,6 +48,8 @@ def generate(model, prompt, options: o.GenerateOptions) -> int:
 
     from .resolve import load_causal_lm, load_tokenizer
 
+    if prompt == "-":  # a long prompt, or one made by another program: `echo ... | diff-llama generate MODEL -`
+        prompt = sys.stdin.read().removesuffix("\n")  # the newline echo adds is not part of the prompt
     tokenizer = load_tokenizer(model)
     inputs = encode_prompt(tokenizer, prompt, use_chat_template=not options.raw)
     if inputs["input_ids"].shape[-1] == 0:
@@ -75,7 +78,8 @@ def attention_map(model, options: o.AttentionMapOptions) -> int:
     selected = range(heads) if options.head is None else [options.head]
     output = Path(options.output)
     paths = [output / f"layer{options.layer}-head{head}.png" for head in selected]
-    check_map_folder(output, [path for path in paths if path.exists()], options.overwrite)
+    check_map_folder(output, [path for path in paths if path.exists()], options.overwrite,
+                     inputs=[model, options.source])
     tokenizer = load_tokenizer(model)
     lm = load_causal_lm(model, attn_implementation="eager")
     first, second, lam, differential, tokens = attention_maps(lm, tokenizer, options.text, options.layer)
@@ -93,13 +97,17 @@ def attention_map(model, options: o.AttentionMapOptions) -> int:
     return 0
 
 
-def check_map_folder(output: Path, existing: list[Path], overwrite: bool) -> None:
+def check_map_folder(output: Path, existing: list[Path], overwrite: bool, inputs=()) -> None:
     """Maps of other layers or heads may share the folder (one that attention-map made): only the maps this run would
-    replace are refused, and `overwrite` replaces them only in a folder of maps that diff-llama wrote."""
-    from .output_folder import check_creatable, holds_files, read_marker, replace_refusal
+    replace are refused, and `overwrite` replaces them only in a folder of maps that diff-llama wrote. Never inside a
+    model folder it reads (`inputs`)."""
+    from .output_folder import check_creatable, holds_files, inside_input_refusal, read_marker, replace_refusal
 
     if output.is_file():
         raise OutputExistsError(f"{output} is a file; give a folder for --output.")
+    inside = inside_input_refusal(output, inputs)
+    if inside is not None:
+        raise OutputExistsError(f"{inside}.")
     if not output.exists():
         check_creatable(output)
     refusal = replace_refusal(output) if existing else None

@@ -124,8 +124,8 @@ class FineTuneOptions(TrainingRunOptions):
     """`diff-llama train`: fine-tuning with the Trainer, fully or with LoRA."""
 
     data: str = field(metadata={"help": (
-        "training text: a .txt/.md/.rst/.jsonl file or a folder of them; a .jsonl line holds a \"text\" or chat "
-        "\"messages\" (written with the model's chat template)")})
+        "training text: a .txt/.md/.rst/.jsonl file or a folder of them (hidden ones left out); a .jsonl line holds "
+        "a \"text\" or chat \"messages\" (written with the model's chat template)")})
     merge: bool = field(default=False, metadata={"help": "with --lora, save the merged model instead of the adapter"})
     epochs: float = field(default=1.0, metadata={"help": "passes over the data (--max-steps overrides it)"})
     learning_rate: float | None = field(default=None, metadata={"help": "default: 5e-5, or 2e-4 with --lora"})

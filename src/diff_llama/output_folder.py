@@ -5,10 +5,11 @@ files is refused in one line naming the fix. `--overwrite` replaces a folder onl
 holds nothing else (`replace_refusal`): it carries a sign of ours (the `MARKER` file the commands write, a
 `conversion_report.json`, or a `config.json` of model_type diff_llama) and every entry in it is a name the project
 writes (`PROJECT_FILES`). A user's file dropped into such a folder would be lost, so it is refused too, and so are the
-working directory, any folder above it, the home folder and `/`, whatever they hold. Two more refusals protect what a
+working directory, any folder above it, the home folder and `/`, whatever they hold. More refusals protect what a
 run reads and what took long to make: no command replaces its own input or a folder that holds it (`input_refusal`),
-and a command that names itself (evaluate, ruler, demo, adapt) replaces only an earlier output of its own, never a
-converted or trained model that another command wrote (`other_commands_output`).
+nor makes its output inside an input folder (`inside_input_refusal`), and a command that names itself (evaluate,
+ruler, demo, adapt) replaces only an earlier output of its own, never a converted or trained model that another
+command wrote (`other_commands_output`).
 
 A replacement is written into a hidden temporary folder beside the old one and swapped in only when complete
 (`AtomicOutputFolder`), so a run that fails leaves the old contents as they were. A killed run leaves that hidden
@@ -115,6 +116,19 @@ def input_refusal(output: str | os.PathLike, inputs=()) -> str | None:
     return None
 
 
+def inside_input_refusal(output: str | os.PathLike, inputs=()) -> str | None:
+    """Why a new `output` may not be made where it is asked for: inside a folder the command reads (a model folder,
+    training data). A folder added there changes that input: `push` would upload it with the model, a later
+    `--overwrite` of the model is refused for it, and a data folder would feed this run's model card to the next run
+    as training text."""
+    resolved_output = Path(output).resolve()
+    for each in inputs:
+        if each is not None and Path(each).is_dir() and Path(each).resolve() in resolved_output.parents:
+            return (f"{output} is inside {each}, which this command reads; writing there would change it, so give a "
+                    "folder outside it")
+    return None
+
+
 def other_commands_output(folder: Path, command: str) -> str | None:
     """What `folder` holds when a command other than `command` wrote it ("the output of diff-llama demo" from its
     marker, or "a model" from a model's files), or None when `command` wrote it or nothing says who did."""
@@ -159,6 +173,9 @@ def check_new_output(path: str | os.PathLike, fix: str = "choose a new folder", 
     path = Path(path)
     if path.is_file():
         raise OutputExistsError(f"{path} is a file; give a folder name that does not exist yet.")
+    inside = inside_input_refusal(path, inputs)
+    if inside is not None:
+        raise OutputExistsError(f"{inside}.")
     if not path.exists():
         check_creatable(path)
     if overwrite:

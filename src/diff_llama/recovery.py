@@ -217,7 +217,7 @@ def recover(model_path: str, options: RecoveryOptions) -> dict:
         torch.set_num_threads(options.threads)
     output_dir = Path(options.output)
     # A mistyped MODEL is named as such, not as a model without its source; its weights are read (and checked) later.
-    find_model(model_path, tokenizer=True, weights=False)
+    find_model(model_path, tokenizer=True, weights=False, adapters=True)
     if getattr(load_config(model_path), "diff_version", 1) == 2:  # refused before anything heavy loads
         raise UserError(f"{model_path} is a DIFF V2 conversion, which already computes its source exactly: "
                         "distillation has nothing to recover (its gradient is zero). Fine-tune it with "
@@ -229,13 +229,13 @@ def recover(model_path: str, options: RecoveryOptions) -> dict:
             raise UserError(f"{model_path} has no conversion_report.json naming its source; pass --source.")
         source = json.loads(report_path.read_text())["source"]
     try:
-        find_model(source)
+        find_model(source, adapters=True)
     except ModelNotFoundError as error:
         if options.source is not None:
             raise
         raise ModelNotFoundError(f"{str(error).rstrip('.')}; that is the source recorded in {report_path}: pass "
                                  "--source with where it is now.") from None
-    checkpoint = resume_checkpoint(output_dir, options.resume)
+    checkpoint = resume_checkpoint(output_dir, options.resume, inputs=[model_path, source, options.data])
     documents = read_documents(options.data) if options.data else None  # a wrong path fails before any loading
     tokenizer, student = load_for_training(model_path, options.seed)
     teacher = load_teacher(source)

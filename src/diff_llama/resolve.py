@@ -46,6 +46,7 @@ class ModelLocation:
     name_or_path: str  # a folder, or a Hub id
     gguf_file: str | None = None  # a GGUF file inside `name_or_path`
     is_local: bool = True
+    is_adapter: bool = False  # a LoRA adapter folder (adapter_config.json), which loads on its base model
 
     @property
     def description(self) -> str:
@@ -80,7 +81,8 @@ def resolve_model(name: str | os.PathLike) -> ModelLocation:
         require_gguf()
         return ModelLocation(str(path.parent), gguf_file=path.name)
     if path.is_dir():
-        return ModelLocation(str(path))
+        adapter = (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
+        return ModelLocation(str(path), is_adapter=adapter)
     if path.exists():
         raise ModelNotFoundError(f"{name} is a file; give a model folder, a .gguf file or a Hub repository id.")
     if looks_like_path(name):
@@ -151,22 +153,32 @@ def has_tokenizer_files(folder: str | os.PathLike) -> bool:
     return any((folder / name).is_file() for name in TOKENIZER_FILE_NAMES) or any(folder.glob("*.tiktoken"))
 
 
-def check_model_folder(location: ModelLocation, tokenizer: bool = False, weights: bool = True) -> None:
+def check_model_folder(location: ModelLocation, tokenizer: bool = False, weights: bool = True,
+                       adapters: bool = False) -> None:
     """Refuse, in one line that names the fix, a local folder that is not a whole model (or, with `tokenizer`, lacks
     a tokenizer, or, with `weights`, has a weights file cut short: `check_weights`). Without this, transformers fails
     on such folders while building a tokenizer and blames a missing sentencepiece or tiktoken, which is never the
-    fix."""
+    fix. A LoRA adapter folder passes when `adapters` (its base model is checked in its place), and is refused
+    otherwise."""
     if not location.is_local or location.gguf_file:
         return
     folder = Path(location.name_or_path)
-    if not (folder / "config.json").is_file():
-        adapter_config = folder / "adapter_config.json"
-        if adapter_config.is_file():
+    if location.is_adapter:
+        base = adapter_base(location)
+        if not adapters:
             raise AdapterFolderError(
-                f"{folder} is a LoRA adapter folder (adapter_config.json), not a whole model: load it with peft on its "
-                f"base model {_adapter_base(adapter_config)} (PeftModel.from_pretrained(base_model, '{folder}'), or "
-                f"AutoPeftModelForCausalLM.from_pretrained('{folder}')), or merge it into the base model first."
+                f"{folder} is a LoRA adapter folder (adapter_config.json), not a whole model: merge it into its base "
+                f"model `{base}` first (diff-llama train ... --lora --merge, or peft's merge_and_unload() then "
+                "save_pretrained), or load it with peft (AutoPeftModelForCausalLM)."
             )
+        if weights:
+            check_weights(location)
+        try:  # the adapter's own tokenizer (train saves one) is used when it has one, else the base's
+            find_model(base, tokenizer=tokenizer and not has_tokenizer_files(folder), weights=weights, adapters=True)
+        except ModelNotFoundError as error:
+            raise type(error)(f"{folder} is a LoRA adapter on `{base}`, which cannot be loaded: {error}") from None
+        return
+    if not (folder / "config.json").is_file():
         raise NotAModelFolderError(
             f"{folder} has no config.json, so it is not a Transformers model folder; give a folder written by "
             "save_pretrained or diff-llama (config.json, weights, tokenizer), a .gguf file, smollm2 or a Hub id."
@@ -199,45 +211,74 @@ def check_hub_model(location: ModelLocation, revision: str | None = None) -> Non
                              f"{reason}; check the path, or {hub.hub_fix()}.")
 
 
-def find_model(name: str | os.PathLike, tokenizer: bool = False, weights: bool = True) -> ModelLocation:
+def find_model(name: str | os.PathLike, tokenizer: bool = False, weights: bool = True,
+               adapters: bool = False) -> ModelLocation:
     """`resolve_model` plus `check_model_folder` or `check_hub_model`: for commands that check all their models
-    before any work."""
+    before any work. `adapters`: a LoRA adapter folder may stand for a model (the loaders below load it on its base)."""
     location = resolve_model(name)
-    check_model_folder(location, tokenizer=tokenizer, weights=weights)
+    check_model_folder(location, tokenizer=tokenizer, weights=weights, adapters=adapters)
     check_hub_model(location)
     return location
 
 
-def _adapter_base(adapter_config: Path) -> str:
+def adapter_base(location: ModelLocation) -> str | None:
+    """The base model an adapter folder names (adapter_config.json's `base_model_name_or_path`, which
+    `diff-llama train --lora` records as an absolute path for a local folder), or None when it names none."""
     import json
 
     try:
-        base = json.loads(adapter_config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+        config = json.loads((Path(location.name_or_path) / "adapter_config.json").read_text(encoding="utf-8"))
+        base = config.get("base_model_name_or_path")
     except (OSError, ValueError, AttributeError):
         base = None
-    return f"`{base}`" if base else "(adapter_config.json names none: the model it was trained on)"
+    if base is None:
+        raise AdapterFolderError(
+            f"{location.name_or_path} is a LoRA adapter folder whose adapter_config.json names no base model (the "
+            "model it was trained on); load it with peft on that model: PeftModel.from_pretrained(base_model, "
+            f"'{location.name_or_path}').")
+    if Path(base).expanduser().resolve() == Path(location.name_or_path).resolve():
+        raise AdapterFolderError(f"{location.name_or_path} is a LoRA adapter folder that names itself as its base "
+                                 "model; set base_model_name_or_path in its adapter_config.json to the model it was "
+                                 "trained on.")
+    return base
 
 
 def load_config(name: str | os.PathLike, **kwargs):
-    """`AutoConfig.from_pretrained` for any model argument (see `resolve_model`)."""
+    """`AutoConfig.from_pretrained` for any model argument (see `resolve_model`); for a LoRA adapter folder, its base
+    model's."""
     from transformers import AutoConfig
 
-    return _load(AutoConfig, find_model(name, weights=False), **kwargs)
+    location = find_model(name, weights=False, adapters=True)
+    if location.is_adapter:
+        return load_config(adapter_base(location), **kwargs)
+    return _load(AutoConfig, location, **kwargs)
 
 
 def load_tokenizer(name: str | os.PathLike, **kwargs):
-    """`AutoTokenizer.from_pretrained` for any model argument (see `resolve_model`)."""
+    """`AutoTokenizer.from_pretrained` for any model argument (see `resolve_model`); a LoRA adapter folder without a
+    tokenizer of its own gives its base model's."""
     from transformers import AutoTokenizer
 
     # Weights are checked where they load (`load_causal_lm`), not once more for the tokenizer loaded beside them.
-    return _load(AutoTokenizer, find_model(name, tokenizer=True, weights=False), **kwargs)
+    location = find_model(name, tokenizer=True, weights=False, adapters=True)
+    if location.is_adapter and not has_tokenizer_files(location.name_or_path):
+        return load_tokenizer(adapter_base(location), **kwargs)
+    return _load(AutoTokenizer, location, **kwargs)
 
 
 def load_causal_lm(name: str | os.PathLike, **kwargs):
-    """`AutoModelForCausalLM.from_pretrained` for any model argument (see `resolve_model`)."""
+    """`AutoModelForCausalLM.from_pretrained` for any model argument (see `resolve_model`). A LoRA adapter folder (what
+    `diff-llama train --lora` writes) loads on its base model and is merged into it, λ included: the model it
+    trained, as a plain model."""
     from transformers import AutoModelForCausalLM
 
-    return _load(AutoModelForCausalLM, find_model(name), **kwargs)
+    location = find_model(name, adapters=True)
+    if not location.is_adapter:
+        return _load(AutoModelForCausalLM, location, **kwargs)
+    from peft import PeftModel
+
+    base = load_causal_lm(adapter_base(location), **kwargs)
+    return PeftModel.from_pretrained(base, location.name_or_path).merge_and_unload()
 
 
 def release_gguf_quantizer(model) -> None:

@@ -41,15 +41,25 @@ MLP_PROJECTIONS = ["gate_proj", "up_proj", "down_proj"]
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".jsonl")
 
 
+def text_files(folder: Path) -> list[Path]:
+    """The .txt, .md, .rst and .jsonl files under `folder`, in name order, leaving out hidden ones and those in hidden
+    folders (as the datasets library does): a `.venv`, `.git` or `.ipynb_checkpoints` holds no one's training text."""
+    return sorted(p for p in folder.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file()
+                  and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+
+
 def read_documents(path: str | Path) -> list[str | list[dict]]:
-    """The training documents in a file or a folder (its .txt, .md, .rst and .jsonl files, recursively, in name
-    order): a text file is one document, and each line of a .jsonl file is one, either its "text" (a string) or its
-    "messages" (a chat: a list of {"role": ..., "content": ...}, which `joined_text` renders with the tokenizer's chat
-    template). Checked whole before any model is loaded: a bad line fails at once, naming its file and line."""
+    """The training documents in a file or a folder (`text_files`): a text file is one document, and each line of a
+    .jsonl file is one, either its "text" (a string) or its "messages" (a chat: a list of {"role": ..., "content":
+    ...}, which `joined_text` renders with the tokenizer's chat template). Checked whole before any model is loaded:
+    a bad line fails at once, naming its file and line, and a model folder given as data is refused."""
     path = Path(path)
     if not path.exists():
         raise InputNotFoundError(f"training data {path} does not exist; pass a text file or a folder of them.")
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
+    if path.is_dir() and (path / "config.json").is_file():
+        raise UserError(f"{path} is a model folder (it has a config.json), not training text; give --data a text "
+                        f"file or a folder of them ({', '.join(TEXT_SUFFIXES)}).")
+    files = [path] if path.is_file() else text_files(path)
     documents = []
     for file in files:
         if file.suffix == ".jsonl":
@@ -59,7 +69,8 @@ def read_documents(path: str | Path) -> list[str | list[dict]]:
         else:
             documents.append(read_text_file(file))
     if not any(d.strip() if isinstance(d, str) else d for d in documents):
-        raise UserError(f"found no text in {path} (looked for {', '.join(TEXT_SUFFIXES)} files).")
+        raise UserError(f"found no text in {path} (looked for {', '.join(TEXT_SUFFIXES)} files outside hidden "
+                        "folders).")
     return documents
 
 
@@ -75,12 +86,24 @@ def _json_document(line: str, where: str) -> str | list[dict]:
     if isinstance(record, dict) and isinstance(record.get("text"), str):
         return record["text"]
     messages = record.get("messages") if isinstance(record, dict) else None
-    if (isinstance(messages, list) and messages
-            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages)):
-        return messages
-    raise UserError(f"{where} has neither a \"text\" string nor a \"messages\" list of role/content strings; "
-                    f"each line needs one: {JSON_LINE_FORMS}.")
+    if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
+        contents = [_text_content(m.get("content")) for m in messages]
+        if all(isinstance(m.get("role"), str) for m in messages) and None not in contents:
+            return [{**m, "content": content} for m, content in zip(messages, contents)]
+    raise UserError(f"{where} has neither a \"text\" string nor a \"messages\" list of chat messages (each a "
+                    f"\"role\" and a text \"content\"); each line needs one: {JSON_LINE_FORMS}.")
+
+
+def _text_content(content) -> str | None:
+    """A message's content as one string: a string, or OpenAI's list of text parts ({"type": "text", "text": ...}),
+    joined by newlines as vLLM joins them for a text-only model; None for anything else (an image part)."""
+    if isinstance(content, str):
+        return content
+    if (isinstance(content, list) and content
+            and all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                    for part in content)):
+        return "\n".join(part["text"] for part in content)
+    return None
 
 
 def joined_text(documents: list[str | list[dict]], tokenizer=None, data: str | Path = "the training data") -> str:
@@ -179,9 +202,10 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     return [c for c in checkpoint_folders(output_dir) if Path(c, TRAINER_STATE_NAME).is_file()]
 
 
-def resume_checkpoint(output_dir: str | Path, resume: bool) -> str | None:
+def resume_checkpoint(output_dir: str | Path, resume: bool, inputs=()) -> str | None:
     """The checkpoint to resume from. Refuses to resume from nothing, to start over silently on top of an earlier
-    run's checkpoints (the Trainer would mix them up with the new run's), and to write among other files."""
+    run's checkpoints (the Trainer would mix them up with the new run's), to write among other files, and to start
+    a run inside a folder it reads (`inputs`: the model, the data)."""
     from transformers.trainer import TRAINER_STATE_NAME
 
     from .output_folder import check_new_output
@@ -206,7 +230,7 @@ def resume_checkpoint(output_dir: str | Path, resume: bool) -> str | None:
         )
     if last is None:
         check_new_output(output_dir, fix="choose a new folder for --output (the run would be saved among its files)",
-                         offers_overwrite=False)
+                         offers_overwrite=False, inputs=inputs)
     return last
 
 
@@ -250,6 +274,14 @@ def load_for_training(model_path: str, seed: int):
     tokenizer, model = load_tokenizer(model_path), load_causal_lm(model_path, dtype=torch.float32)
     release_gguf_quantizer(model)  # the Trainer refuses a model marked quantized, even once dequantized
     return tokenizer, model
+
+
+def base_model_reference(model_path: str) -> str:
+    """How a LoRA adapter names the model it was trained on (PEFT records the model's `name_or_path` as the adapter's
+    `base_model_name_or_path`): a local path made absolute, so that the adapter loads from any working directory;
+    'smollm2' or a Hub id as given (transformers' name_or_path of a GGUF model is its folder, which is no model)."""
+    path = Path(model_path).expanduser()
+    return str(path.resolve()) if path.exists() else str(model_path)
 
 
 def with_lora(model, options: TrainingRunOptions):
@@ -323,10 +355,11 @@ def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> P
             "On CPU, launch with a DDP config (e.g. configs/accelerate/ddp.yaml); use the FSDP config on GPUs."
         )
     output_dir = Path(options.output)
-    checkpoint = resume_checkpoint(output_dir, options.resume)
+    checkpoint = resume_checkpoint(output_dir, options.resume, inputs=[model_path, options.data])
     documents = read_documents(options.data)  # before loading the model: a wrong path or line fails at once
     tokenizer, model = load_for_training(model_path, options.seed)
     dataset = TokenBlocks(tokenizer, joined_text(documents, tokenizer, options.data), options.block_size)
+    model.name_or_path = base_model_reference(model_path)  # what an adapter saved below names as its base
     model = with_lora(model, options)
     learning_rate = options.learning_rate if options.learning_rate is not None else (2e-4 if options.lora else 5e-5)
     args = TrainingArguments(

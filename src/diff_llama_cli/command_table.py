@@ -53,7 +53,8 @@ COMMANDS: dict[str, Command] = {
     ),
     "generate": Command(
         "generate text with a model, streamed to the terminal",
-        "generate", (o.GenerateOptions,), (("model", MODEL_HELP), ("prompt", "the prompt")),
+        "generate", (o.GenerateOptions,),
+        (("model", MODEL_HELP), ("prompt", "the prompt; - reads it from standard input")),
         "Generate from a model (any causal LM). Uses the tokenizer's chat template when it has one (--raw sends the "
         "prompt as plain text). Greedy unless --temperature is above 0.",
     ),

@@ -24,6 +24,17 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _float(text: str) -> float:
+    # float() also takes "nan", which passes every range check (nan < 0 is False) and then samples garbage.
+    value = float(text)
+    if value != value:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    return value
+
+
+_float.__name__ = "float"  # argparse names the type in "invalid float value: 'abc'"
+
+
 def _choice(choices):
     # Literal["a", "b"] and `choices` metadata hold typed values; argparse gives strings.
     by_text = {str(c): c for c in choices}
@@ -54,9 +65,9 @@ def add_dataclass_options(parser: argparse.ArgumentParser, options_class) -> Non
         elif kind is bool:
             kwargs.update(type=_bool, nargs="?", const=True)
         elif typing.get_origin(kind) is list:
-            kwargs.update(type=typing.get_args(kind)[0], nargs="+")
+            kwargs.update(type=_float if typing.get_args(kind)[0] is float else typing.get_args(kind)[0], nargs="+")
         else:
-            kwargs["type"] = kind
+            kwargs["type"] = _float if kind is float else kind
             if "choices" in kwargs:
                 kwargs["type"] = _choice(kwargs["choices"])
         parser.add_argument(*names, dest=field.name, **kwargs)

@@ -184,6 +184,9 @@ class InMemorySource(LlamaSource):
 def _read_llama_config(folder: Path) -> LlamaConfig:
     config_file = folder / "config.json"
     if not config_file.is_file():
+        if (folder / "adapter_config.json").is_file():
+            raise ConversionError(f"{folder} is a LoRA adapter folder, not a whole LLaMA: merge it into its base model "
+                                  "first (peft's merge_and_unload() then save_pretrained), and convert that folder.")
         raise ConversionError(f"{folder} has no config.json; point at a Transformers LLaMA folder or a .gguf file.")
     try:
         raw = json.loads(config_file.read_text())

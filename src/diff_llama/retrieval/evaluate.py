@@ -183,7 +183,7 @@ def evaluate_models(models: list[str], options: RetrievalArguments, overwrite: b
     from ..resolve import find_model, load_model
 
     for source in models:  # a missing model (or tokenizer) stops the run before its output folder is made
-        find_model(source, tokenizer=True)
+        find_model(source, tokenizer=True, adapters=True)
     from ..output_folder import new_output_folder
 
     output, run = Path(options.output), run_description(models, names, options)

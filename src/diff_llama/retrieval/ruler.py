@@ -190,7 +190,7 @@ def ruler_models(models: list[str], options: RulerOptions, overwrite: bool = Fal
     from ..resolve import find_model, load_model
 
     for source in models:  # a missing model (or tokenizer) stops the run before its output folder is made
-        find_model(source, tokenizer=True)
+        find_model(source, tokenizer=True, adapters=True)
     if options.cases_file:
         read_case_file(options.cases_file)  # a bad file too
     output, run = Path(options.output), run_description(models, names, options)
