@@ -124,6 +124,49 @@ def test_train_command_checkpoints_resumes_and_plots(tmp_path, saved_model):
     assert reloaded.get_lambdas().shape == (reloaded.config.num_hidden_layers,)
 
 
+def test_resume_refuses_what_would_not_continue_the_run(tmp_path, saved_model, capsys, monkeypatch):
+    """`--resume --lora` on a full run's checkpoints ended in a traceback from the optimizer; another --block-size,
+    --batch-size, --data or MODEL trained on, from the step it stopped at, on a stream the run never saw. Each is one
+    line now; what only says how long to run and how often to save may change, from any working directory."""
+    text, other = tmp_path / "text.txt", tmp_path / "other.txt"
+    text.write_text(SAMPLE_TEXT)
+    other.write_text(SAMPLE_TEXT[::-1])
+    out = tmp_path / "out"
+    common = [str(saved_model), "--output", str(out), "--block-size", "32", "--batch-size", "2", "--save-steps", "1",
+              "--no-monitor"]
+    assert main(["train", *common, "--data", str(text), "--max-steps", "2"]) == 0
+    record = json.loads((out / "checkpoint-2" / "diff_llama_run.json").read_text())
+    assert record["data"] == str(text.resolve()) and record["model"] == str(saved_model.resolve())
+    may_change = "only --max-steps, --epochs, --save-steps, --logging-steps, --monitor, --merge may change"
+    for change, says in [
+        (["--data", str(text), "--lora"],
+         f"{out / 'checkpoint-2'} holds a full training run; resume it without --lora"),
+        (["--data", str(other)], f"other options (--data {str(text.resolve())!r}, not {str(other.resolve())!r})"),
+        (["--data", str(text), "--block-size", "16"], "other options (--block-size 32, not 16)"),
+        (["--data", str(text), "--batch-size", "1", "--seed", "3"],
+         "other options (--batch-size 2, not 1, --seed 0, not 3)"),
+    ]:
+        capsys.readouterr()
+        assert main(["train", *common, *change, "--max-steps", "3", "--resume"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and says in err, err
+        assert "lora" in change[-1] or err.endswith(f"({may_change}), or start a new run in a new folder."), err
+    assert not (out / "checkpoint-3").exists()
+    monkeypatch.chdir(tmp_path)  # the same run by relative paths, longer, logged more often
+    assert main(["train", saved_model.name, "--output", "out", "--data", "text.txt", "--block-size", "32",
+                 "--batch-size", "2", "--save-steps", "1", "--no-monitor", "--max-steps", "3", "--logging-steps",
+                 "1", "--resume"]) == 0
+    assert (out / "checkpoint-3" / "diff_llama_run.json").is_file()
+
+    lora_out = tmp_path / "lora"
+    lora = [str(saved_model), "--output", str(lora_out), "--data", str(text), "--block-size", "32", "--save-steps",
+            "1", "--no-monitor", "--max-steps", "1"]
+    assert main(["train", *lora, "--lora"]) == 0
+    capsys.readouterr()
+    assert main(["train", *lora, "--resume"]) == 2
+    assert "holds a LoRA training run; resume it with --lora, as it was started." in capsys.readouterr().err
+
+
 def test_train_data_in_jsonl_holds_text_and_chats_in_the_models_template(tmp_path, chatml_tokenizer, tokenizer):
     chat = [{"role": "user", "content": "What is the capital of France?"},
             {"role": "assistant", "content": "Paris."}]
@@ -340,6 +383,13 @@ def test_recover_command_distils_from_the_source(tmp_path, tokenizer, lora, budg
         assert list(out.glob("checkpoint-*"))
         assert main(args) == 2
         assert "already holds training checkpoints" in capsys.readouterr().err
+        # --resume continues the same distillation only: another λ floor is refused, more steps are not.
+        assert main([*args, "--resume", "--lambda-floor", "0.2"]) == 2
+        assert "other options (--lambda-floor 0.3, not 0.2)" in capsys.readouterr().err
+        assert main([*args, "--resume", "--max-steps", "4"]) == 0
+        resumed = json.loads((out / "recovery_report.json").read_text())
+        assert resumed["steps"] == 4
+        report["lambdas"] = resumed["lambdas"]  # what the folder holds now
     else:  # stopped by the time budget, measured in training time
         assert report["curve"][-1]["train_minutes"] >= 0.03
     assert report["curve"][0]["mean_abs_lambda"] < 1e-5 < report["final_mean_abs_lambda"]  # λ left 0

@@ -22,13 +22,16 @@ from .errors import UserError
 from .options import RecoveryOptions
 from .model_card import write_model_card
 from .training import (
+    RunRecordInCheckpoints,
     TokenBlocks,
     TokenizerInCheckpoints,
+    check_resumed_run,
     joined_text,
     load_for_training,
     optimizer_for,
     read_documents,
     resume_checkpoint,
+    run_record,
     save_trained,
     with_lora,
 )
@@ -236,6 +239,8 @@ def recover(model_path: str, options: RecoveryOptions) -> dict:
         raise ModelNotFoundError(f"{str(error).rstrip('.')}; that is the source recorded in {report_path}: pass "
                                  "--source with where it is now.") from None
     checkpoint = resume_checkpoint(output_dir, options.resume, inputs=[model_path, source, options.data])
+    if checkpoint is not None:
+        check_resumed_run(checkpoint, model_path, options)
     documents = read_documents(options.data) if options.data else None  # a wrong path fails before any loading
     tokenizer, student = load_for_training(model_path, options.seed)
     teacher = load_teacher(source)
@@ -277,7 +282,8 @@ def recover(model_path: str, options: RecoveryOptions) -> dict:
     trainer = DistillationTrainer(
         model=student, args=args, train_dataset=dataset, teacher=teacher, lambda_floor=options.lambda_floor,
         lambda_floor_ramp_steps=options.lambda_floor_ramp_steps, optimizers=(optimizer, scheduler),
-        callbacks=[monitor, TokenizerInCheckpoints(tokenizer)],
+        callbacks=[monitor, TokenizerInCheckpoints(tokenizer),
+                   RunRecordInCheckpoints(run_record(model_path, options))],
     )
     trainer.train(resume_from_checkpoint=checkpoint)
 

@@ -278,10 +278,77 @@ def load_for_training(model_path: str, seed: int):
 
 def base_model_reference(model_path: str) -> str:
     """How a LoRA adapter names the model it was trained on (PEFT records the model's `name_or_path` as the adapter's
-    `base_model_name_or_path`): a local path made absolute, so that the adapter loads from any working directory;
-    'smollm2' or a Hub id as given (transformers' name_or_path of a GGUF model is its folder, which is no model)."""
+    `base_model_name_or_path`), and how a run records its model and data: a local path made absolute, so that it
+    means the same from any working directory; 'smollm2' or a Hub id as given (transformers' name_or_path of a GGUF
+    model is its folder, which is no model)."""
     path = Path(model_path).expanduser()
     return str(path.resolve()) if path.exists() else str(model_path)
+
+
+# Beside the Trainer's state in each checkpoint: the options of the run, which a --resume must repeat.
+RUN_RECORD = "diff_llama_run.json"
+# What a resumed `train` or `recover` may change: how long it runs, how often it saves and logs, what it writes at the
+# end. Anything else would change what the run trains, or (--lora) could not load its optimizer state.
+RESUMABLE_CHANGES = ("max_steps", "epochs", "minutes", "save_steps", "logging_steps", "eval_minutes", "monitor",
+                     "merge", "threads")
+
+
+def run_record(model_path: str, options: TrainingRunOptions) -> dict:
+    """The run's options as a checkpoint records them, with the model and the data as absolute paths."""
+    from dataclasses import asdict
+
+    record = {**asdict(options), "model": base_model_reference(model_path)}
+    for key in ("data", "source"):
+        if record.get(key) is not None:
+            record[key] = base_model_reference(record[key])
+    for key in ("output", "resume"):
+        record.pop(key)
+    return record
+
+
+class RunRecordInCheckpoints(TrainerCallback):
+    """Write the run's options (`run_record`) into each checkpoint-N, for `check_resumed_run`."""
+
+    def __init__(self, record: dict):
+        self.record = record
+
+    def on_save(self, args, state, control, **kwargs):
+        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if state.is_world_process_zero and checkpoint.is_dir():
+            (checkpoint / RUN_RECORD).write_text(json.dumps(self.record, indent=1) + "\n")
+
+
+def _shown(value) -> str:
+    """An option's value as the command line gives it: a flag on or off, an option left at its default."""
+    if value is None:
+        return "at its default"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return repr(value)
+
+
+def check_resumed_run(checkpoint: str | Path, model_path: str, options: TrainingRunOptions) -> None:
+    """Refuse, in one line, a --resume that would not continue the run in `checkpoint`: --lora given or left out
+    unlike the run (the Trainer could not load its optimizer state), or other options, model or data than it
+    recorded (an option the checkpoint's diff-llama did not have yet counts as its default)."""
+    from .options import option_defaults
+
+    checkpoint = Path(checkpoint)
+    lora_run = (checkpoint / "adapter_config.json").is_file()
+    if lora_run != bool(options.lora):
+        raise UserError(f"--resume: {checkpoint} holds a {'LoRA' if lora_run else 'full'} training run; resume it "
+                        f"{'with' if lora_run else 'without'} --lora, as it was started.")
+    if not (checkpoint / RUN_RECORD).is_file():
+        return  # written by a diff-llama that did not record its options: nothing more to compare
+    before = {**option_defaults(type(options)), **json.loads((checkpoint / RUN_RECORD).read_text())}
+    differ = {key: (before.get(key), value) for key, value in run_record(model_path, options).items()
+              if key not in RESUMABLE_CHANGES and before.get(key) != value}
+    if differ:
+        found = ", ".join(f"{'--' + key.replace('_', '-') if key != 'model' else 'MODEL'} {_shown(old)}, not "
+                          f"{_shown(new)}" for key, (old, new) in differ.items())
+        may_change = ", ".join(f"--{key.replace('_', '-')}" for key in RESUMABLE_CHANGES if hasattr(options, key))
+        raise UserError(f"--resume: {checkpoint} was trained with other options ({found}); pass the ones it was "
+                        f"started with (only {may_change} may change), or start a new run in a new folder.")
 
 
 def with_lora(model, options: TrainingRunOptions):
@@ -356,6 +423,8 @@ def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> P
         )
     output_dir = Path(options.output)
     checkpoint = resume_checkpoint(output_dir, options.resume, inputs=[model_path, options.data])
+    if checkpoint is not None:
+        check_resumed_run(checkpoint, model_path, options)
     documents = read_documents(options.data)  # before loading the model: a wrong path or line fails at once
     tokenizer, model = load_for_training(model_path, options.seed)
     dataset = TokenBlocks(tokenizer, joined_text(documents, tokenizer, options.data), options.block_size)
@@ -373,7 +442,8 @@ def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> P
         use_cpu=not torch.accelerator.is_available(),
     )
     trainer = Trainer(model=model, args=args, train_dataset=dataset,
-                      callbacks=[LogLastStep(), TokenizerInCheckpoints(tokenizer), *callbacks],
+                      callbacks=[LogLastStep(), TokenizerInCheckpoints(tokenizer),
+                                 RunRecordInCheckpoints(run_record(model_path, options)), *callbacks],
                       optimizers=(optimizer_for(model, learning_rate, options.lambda_learning_rate), None))
     if options.monitor and hasattr(model, "get_lambdas"):
         DifferentialAttentionCallback.attach(trainer, dataset.blocks[0, :64])
