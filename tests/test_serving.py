@@ -133,6 +133,49 @@ def test_serve_command_answers_like_generate(model_dir, chat_tokenizer, tmp_path
     assert len([p for p in pieces if p]) > 1 and "".join(pieces) == expected  # streamed in several pieces
 
 
+def test_serve_a_lora_adapter_answers_like_its_merged_model(model_dir, chat_tokenizer, tmp_path, capsys):
+    """`diff-llama train --lora` writes an adapter folder: the server loads its base with the adapter merged in, and
+    answers as that merged model does. vLLM, which would be handed the folder itself, asks for a merged model."""
+    from peft import PeftModel, get_peft_model
+
+    from diff_llama import DiffLlamaForCausalLM
+    from diff_llama.cli import main
+    from diff_llama.training import lora_config
+
+    base = DiffLlamaForCausalLM.from_pretrained(model_dir)
+    base.name_or_path = str(model_dir)  # what `train --lora` records as the base
+    adapted = get_peft_model(base, lora_config(rank=4))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    adapter = tmp_path / "adapter"
+    adapted.save_pretrained(adapter)
+    chat_tokenizer.save_pretrained(adapter)
+    merged = tmp_path / "merged"
+    PeftModel.from_pretrained(DiffLlamaForCausalLM.from_pretrained(model_dir), adapter).merge_and_unload(
+    ).save_pretrained(merged)
+    expected = _expected_answer(merged, chat_tokenizer)
+    assert expected != _expected_answer(model_dir, chat_tokenizer)  # the adapter changes the answer
+
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    command = [sys.executable, "-m", "diff_llama.cli", "serve", str(adapter), "--host", "127.0.0.1", "--port",
+               str(port), "--device", "cpu"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_server(port, process)
+        whole, pieces = _ask(port, adapter)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert whole == expected and "".join(pieces) == expected
+    capsys.readouterr()
+    assert main(["serve", str(adapter), "--engine", "vllm", "--port", str(port)]) == 2
+    assert "is a LoRA adapter folder (adapter_config.json), not a whole model: merge it" in capsys.readouterr().err
+
+
 def test_serve_as_remote_code_answers_like_generate(model_dir, chat_tokenizer):
     from transformers.cli.serve import Serve
 

@@ -67,6 +67,14 @@ def split_revision(model_id_and_revision: str) -> tuple[str, str | None]:
     return model_id, revision or None
 
 
+def is_adapter_folder(model_id: str) -> bool:
+    """Whether the server was asked for a LoRA adapter folder (what `diff-llama train --lora` writes)."""
+    import os
+
+    return os.path.isfile(os.path.join(model_id, "adapter_config.json")) and not os.path.isfile(
+        os.path.join(model_id, "config.json"))
+
+
 def require_server_with_gguf_loading() -> None:
     """The model manager this module extends loads GGUF files (its `_load_model` takes `gguf_file`), which transformers
     serve does from 5.17 on; older servers are refused in one line rather than failing mid-request."""
@@ -111,6 +119,12 @@ def _model_manager_class(aliases=()):
             from transformers import AutoConfig, AutoModelForCausalLM
 
             model_id, revision = split_revision(model_id_and_revision)
+            if gguf_file is None and is_adapter_folder(model_id):
+                from .resolve import load_causal_lm
+
+                # its base, with the adapter merged in: one plain model, as fast as the base
+                return load_causal_lm(model_id, dtype=self.dtype, device_map=self.device,
+                                      attn_implementation=self.attn_implementation)
             if gguf_file is None:
                 config = AutoConfig.from_pretrained(
                     model_id, revision=revision, trust_remote_code=self.trust_remote_code
@@ -146,6 +160,10 @@ def _model_manager_class(aliases=()):
 
             if kwargs.get("gguf_file") is None:
                 model_id, revision = split_revision(model_id_and_revision)
+                if is_adapter_folder(model_id):
+                    from .resolve import load_tokenizer
+
+                    return load_tokenizer(model_id)
                 config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=self.trust_remote_code)
                 if config.model_type == MODEL_TYPE:
                     return AutoTokenizer.from_pretrained(
@@ -184,7 +202,7 @@ def served_names(model: str) -> tuple[str, set[str]]:
     path it resolved to (`FOLDER/FILE.gguf` for a GGUF file)."""
     from .resolve import find_model
 
-    location = find_model(model, tokenizer=True)
+    location = find_model(model, tokenizer=True, adapters=True)
     name = f"{location.name_or_path}:{location.gguf_file}" if location.gguf_file else location.name_or_path
     return name, {str(model), location.description} - {name}
 
