@@ -81,13 +81,17 @@ def resolve_model(name: str | os.PathLike) -> ModelLocation:
         require_gguf()
         return ModelLocation(str(path.parent), gguf_file=path.name)
     if path.is_dir():
-        adapter = (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
-        return ModelLocation(str(path), is_adapter=adapter)
+        return ModelLocation(str(path), is_adapter=is_adapter_folder(path))
     if path.exists():
         raise ModelNotFoundError(f"{name} is a file; give a model folder, a .gguf file or a Hub repository id.")
     if looks_like_path(name):
         raise ModelNotFoundError(f"{name}: no such folder (and not a Hub repository id of the form owner/name).")
     return ModelLocation(name, is_local=False)
+
+
+def is_adapter_folder(path: str | os.PathLike) -> bool:
+    """Whether `path` is a PEFT (LoRA) adapter folder, such as `diff-llama train --lora` writes, not a whole model."""
+    return (Path(path) / "adapter_config.json").is_file() and not (Path(path) / "config.json").is_file()
 
 
 GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file

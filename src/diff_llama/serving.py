@@ -67,14 +67,6 @@ def split_revision(model_id_and_revision: str) -> tuple[str, str | None]:
     return model_id, revision or None
 
 
-def is_adapter_folder(model_id: str) -> bool:
-    """Whether the server was asked for a LoRA adapter folder (what `diff-llama train --lora` writes)."""
-    import os
-
-    return os.path.isfile(os.path.join(model_id, "adapter_config.json")) and not os.path.isfile(
-        os.path.join(model_id, "config.json"))
-
-
 def require_server_with_gguf_loading() -> None:
     """The model manager this module extends loads GGUF files (its `_load_model` takes `gguf_file`), which transformers
     serve does from 5.17 on; older servers are refused in one line rather than failing mid-request."""
@@ -118,10 +110,10 @@ def _model_manager_class(aliases=()):
         def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
             from transformers import AutoConfig, AutoModelForCausalLM
 
+            from .resolve import is_adapter_folder, load_causal_lm
+
             model_id, revision = split_revision(model_id_and_revision)
             if gguf_file is None and is_adapter_folder(model_id):
-                from .resolve import load_causal_lm
-
                 # its base, with the adapter merged in: one plain model, as fast as the base
                 return load_causal_lm(model_id, dtype=self.dtype, device_map=self.device,
                                       attn_implementation=self.attn_implementation)
@@ -158,11 +150,11 @@ def _model_manager_class(aliases=()):
             AutoProcessor asks for first (from a Hub id, a request each, and a minute of retries each offline)."""
             from transformers import AutoConfig, AutoTokenizer
 
+            from .resolve import is_adapter_folder, load_tokenizer
+
             if kwargs.get("gguf_file") is None:
                 model_id, revision = split_revision(model_id_and_revision)
                 if is_adapter_folder(model_id):
-                    from .resolve import load_tokenizer
-
                     return load_tokenizer(model_id)
                 config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=self.trust_remote_code)
                 if config.model_type == MODEL_TYPE:
