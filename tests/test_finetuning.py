@@ -277,7 +277,8 @@ def test_resume_passes_over_a_checkpoint_interrupted_while_being_written(tmp_pat
 def test_a_lora_run_loads_wherever_a_model_does(tmp_path, saved_model, capsys, monkeypatch):
     """`train --lora` writes an adapter folder. generate, evaluate and the loaders take it as a model: its base loaded
     and the adapter merged in, λ included, the model `--merge` would have saved, from any working directory (the base
-    is recorded as an absolute path). serve and push, which hand the folder to other code, ask for a merged model."""
+    is recorded as an absolute path). `serve --engine vllm`, push, convert and export-builtin, which hand the folder
+    itself to other code, ask for a merged model (transformers' server takes it: tests/test_serving.py)."""
     from diff_llama.resolve import load_causal_lm, load_config, load_tokenizer
 
     (tmp_path / "text.txt").write_text(SAMPLE_TEXT)
@@ -314,7 +315,7 @@ def test_a_lora_run_loads_wherever_a_model_does(tmp_path, saved_model, capsys, m
     assert main(["evaluate", str(adapter), "--output", "eval", "--lengths", "256", "--settings", "1x1", "--depths",
                  "50", "--cases-per-depth", "1", "--perplexity-tokens", "0"]) == 0
     capsys.readouterr()
-    for argv, says in [(["serve", str(adapter), "--port", "1"], "merge it into its base model"),
+    for argv, says in [(["serve", str(adapter), "--engine", "vllm"], "merge it into its base model"),
                        (["push", str(adapter), "me/x", "--dry-run"], "merge it into its base model"),
                        (["convert", str(adapter), "converted"], "is a LoRA adapter folder, not a whole LLaMA: merge"),
                        (["export-builtin", str(adapter), "builtin"], "is a LoRA adapter folder, not a whole model")]:
