@@ -225,9 +225,10 @@ def find_model(name: str | os.PathLike, tokenizer: bool = False, weights: bool =
     return location
 
 
-def adapter_base(location: ModelLocation) -> str | None:
+def adapter_base(location: ModelLocation) -> str:
     """The base model an adapter folder names (adapter_config.json's `base_model_name_or_path`, which
-    `diff-llama train --lora` records as an absolute path for a local folder), or None when it names none."""
+    `diff-llama train --lora` records as an absolute path for a local folder); AdapterFolderError, in one line, when
+    it names none or names itself."""
     import json
 
     try:
