@@ -400,6 +400,37 @@ def test_recover_command_distils_from_the_source(tmp_path, tokenizer, lora, budg
     assert "after recovery" in (out / "README.md").read_text()
 
 
+def test_recover_resume_continues_the_curve_and_the_time_budget(tmp_path, tokenizer, capsys):
+    """A resumed recovery used to start its curve and its clock again: the report and plot lost what came before the
+    checkpoint, and --minutes bought a whole new budget. Each checkpoint now keeps both; --minutes is the run's."""
+    from diff_llama.recovery import MONITOR_STATE
+
+    source = make_llama(tmp_path / "llama", tokenizer)
+    converted = tmp_path / "diff"
+    assert main(["convert", str(source), str(converted), "--diff-version", "1", "--calibration-tokens", "1024",
+                 "--eval-tokens", "1024"]) == 0
+    out = tmp_path / "recovered"
+    args = ["recover", str(converted), "--output", str(out), "--block-size", "32", "--batch-size", "2",
+            "--save-steps", "1", "--eval-minutes", "0.002"]
+    assert main([*args, "--minutes", "0.01"]) == 0
+    first = json.loads((out / "recovery_report.json").read_text())
+    (checkpoint,) = out.glob("checkpoint-*")
+    kept = json.loads((checkpoint / MONITOR_STATE).read_text())
+    assert kept["curve"] == first["curve"] and kept["train_seconds"] >= 0.6 and len(first["curve"]) >= 3
+    capsys.readouterr()
+    assert main([*args, "--minutes", "0.01", "--resume"]) == 2
+    assert "minutes into its run's training, and --minutes 0.01 is the whole run's budget; give a larger --minutes" in (
+        capsys.readouterr().err)
+    assert main([*args, "--minutes", "0.02", "--resume"]) == 0
+    resumed = json.loads((out / "recovery_report.json").read_text())
+    assert resumed["curve"][:len(first["curve"])] == first["curve"]  # the curve goes on from where it was
+    assert len(resumed["curve"]) > len(first["curve"]) and resumed["steps"] > first["steps"]
+    minutes = [point["train_minutes"] for point in resumed["curve"]]
+    steps = [point["step"] for point in resumed["curve"]]
+    assert minutes == sorted(minutes) and steps == sorted(steps) and steps[0] == 0
+    assert 0.02 <= minutes[-1] < 0.03  # the budget of the whole run, not 0.02 more minutes
+
+
 def test_recover_on_text_the_source_generates(tmp_path, tokenizer):
     from diff_llama.recovery import teacher_generated_text
 

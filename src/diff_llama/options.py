@@ -155,7 +155,8 @@ class RecoveryOptions(TrainingRunOptions):
         "training text, as train's --data (file or folder; default: built-in text)")})
     generate: int = field(default=0, metadata={"help": (
         "train on this many tokens sampled from the source itself instead (not with --data)")})
-    minutes: float = field(default=30.0, metadata={"help": "training-time budget (evaluation excluded)"})
+    minutes: float = field(default=30.0, metadata={"help": (
+        "training-time budget of the whole run, a resumed one's too (evaluation and checkpoints excluded)")})
     learning_rate: float | None = field(default=None, metadata={"help": "default: 1e-5, or 1e-4 with --lora"})
     lambda_learning_rate: float = field(default=5e-4, metadata={"help": "learning rate of the λ vectors"})
     lambda_floor: float = field(default=0.12, metadata={"help": "penalise any layer's λ below this (0 disables)"})

@@ -81,9 +81,14 @@ class DistillationTrainer(Trainer):
         return (loss, outputs) if return_outputs else loss
 
 
+# The monitor's curve and clock, in each checkpoint-N beside the Trainer's state, so that `--resume` continues both.
+MONITOR_STATE = "recover_state.json"
+
+
 class RecoveryMonitor(TrainerCallback):
     """Measures held-out perplexity and mean |λ| every `eval_minutes` of training time (evaluation excluded), and
-    stops training after `max_minutes` of it."""
+    stops training after `max_minutes` of it. Its curve and clock go into each checkpoint (`MONITOR_STATE`): a resumed
+    run continues them (`resume`), so `max_minutes` is the budget of the whole run, as `--max-steps` is."""
 
     def __init__(self, held_out_ids: torch.Tensor, eval_minutes: float, max_minutes: float | None):
         self.held_out_ids = held_out_ids
@@ -93,6 +98,16 @@ class RecoveryMonitor(TrainerCallback):
         self.train_seconds = 0.0
         self._since = None
         self.bar = None
+
+    def resume(self, state: dict | None) -> None:
+        """Continue the curve and the clock of `resumed_monitor_state` (None: a checkpoint written before they were
+        kept there, which starts them again from its step)."""
+        if state is not None:
+            self.curve, self.train_seconds = state["curve"], state["train_seconds"]
+
+    @property
+    def out_of_time(self) -> bool:
+        return self.max_seconds is not None and self.train_seconds >= self.max_seconds
 
     def measure(self, model, step: int):
         from .evaluation import perplexity
@@ -111,28 +126,50 @@ class RecoveryMonitor(TrainerCallback):
         from tqdm.auto import tqdm
 
         if self.max_seconds:  # a time budget: the bar counts training minutes, not steps
-            self.bar = tqdm(total=round(self.max_seconds / 60, 1), desc="recovery", unit="min",
-                            bar_format="{l_bar}{bar}| {n:.1f}/{total} min{postfix}")
+            self.bar = tqdm(total=round(self.max_seconds / 60, 1), initial=round(self.train_seconds / 60, 1),
+                            desc="recovery", unit="min", bar_format="{l_bar}{bar}| {n:.1f}/{total} min{postfix}")
         if not self.curve:
             self.measure(model, state.global_step)
-        self._since = time.perf_counter()
 
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.bar:
-            self.bar.close()
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._since = time.perf_counter()  # training time: not the checkpoints and logs written between steps
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self.train_seconds += time.perf_counter() - self._since
         if self.bar:
             self.bar.n = round(min(self.train_seconds, self.max_seconds) / 60, 1)
             self.bar.set_postfix_str(f"step {state.global_step}")
-        out_of_time = self.max_seconds is not None and self.train_seconds >= self.max_seconds
-        due = self.train_seconds >= (len(self.curve)) * self.eval_seconds
-        if out_of_time or due or state.global_step >= state.max_steps:
+        # Due at the next multiple of eval_seconds after the last measurement (a resumed run may change the interval).
+        last_seconds = self.curve[-1]["train_minutes"] * 60
+        due = self.train_seconds >= (math.floor(last_seconds / self.eval_seconds) + 1) * self.eval_seconds
+        if self.out_of_time or due or state.global_step >= state.max_steps:
             self.measure(model, state.global_step)
-        if out_of_time:
+        if self.out_of_time:
             control.should_training_stop = True
-        self._since = time.perf_counter()
+
+    def on_save(self, args, state, control, **kwargs):
+        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if state.is_world_process_zero and checkpoint.is_dir():
+            state_file = checkpoint / MONITOR_STATE
+            state_file.write_text(json.dumps({"curve": self.curve, "train_seconds": self.train_seconds}) + "\n")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar:
+            self.bar.close()
+
+
+def resumed_monitor_state(checkpoint: str | Path, options: RecoveryOptions) -> dict | None:
+    """The curve and clock kept in `checkpoint` (None in one written before they were kept); refuses to resume a run
+    whose time budget, `--minutes`, is spent already."""
+    state_file = Path(checkpoint) / MONITOR_STATE
+    if not state_file.is_file():
+        return None
+    state = json.loads(state_file.read_text())
+    spent = state["train_seconds"] / 60
+    if options.by_time and spent >= options.minutes:
+        raise UserError(f"{checkpoint} is {spent:.1f} minutes into its run's training, and --minutes "
+                        f"{options.minutes:g} is the whole run's budget; give a larger --minutes to train on.")
+    return state
 
 
 WARMUP_STEPS = 10
@@ -239,8 +276,10 @@ def recover(model_path: str, options: RecoveryOptions) -> dict:
         raise ModelNotFoundError(f"{str(error).rstrip('.')}; that is the source recorded in {report_path}: pass "
                                  "--source with where it is now.") from None
     checkpoint = resume_checkpoint(output_dir, options.resume, inputs=[model_path, source, options.data])
+    monitor_state = None
     if checkpoint is not None:
         check_resumed_run(checkpoint, model_path, options)
+        monitor_state = resumed_monitor_state(checkpoint, options)
     documents = read_documents(options.data) if options.data else None  # a wrong path fails before any loading
     tokenizer, student = load_for_training(model_path, options.seed)
     teacher = load_teacher(source)
@@ -276,6 +315,7 @@ def recover(model_path: str, options: RecoveryOptions) -> dict:
         dataloader_drop_last=True, disable_tqdm=by_time,
     )
     monitor = RecoveryMonitor(held_out_ids, options.eval_minutes, options.minutes if by_time else None)
+    monitor.resume(monitor_state)
     optimizer = optimizer_for(student, learning_rate, options.lambda_learning_rate)
     # A time budget has no known step count: decay by the share of the training time spent (the monitor's clock).
     scheduler = time_decay_schedule(optimizer, monitor) if linear and by_time else None
