@@ -315,11 +315,14 @@ def test_a_lora_run_loads_wherever_a_model_does(tmp_path, saved_model, capsys, m
     assert main(["evaluate", str(adapter), "--output", "eval", "--lengths", "256", "--settings", "1x1", "--depths",
                  "50", "--cases-per-depth", "1", "--perplexity-tokens", "0"]) == 0
     capsys.readouterr()
-    for argv, says in [(["serve", str(adapter), "--engine", "vllm"], "merge it into its base model"),
-                       (["push", str(adapter), "me/x", "--dry-run"], "merge it into its base model"),
-                       (["convert", str(adapter), "converted"], "is a LoRA adapter folder, not a whole LLaMA: merge"),
-                       (["export-builtin", str(adapter), "builtin"], "is a LoRA adapter folder, not a whole model")]:
-        assert main(argv) == 2 and says in capsys.readouterr().err, argv
+    refusal = (f"{adapter} is a LoRA adapter folder (adapter_config.json), not a whole model: merge it into its base "
+               f"model `{recorded}` first (diff-llama train ... --lora --merge, or peft's merge_and_unload() then "
+               "save_pretrained), ")
+    for argv, then in [(["serve", str(adapter), "--engine", "vllm"], "or load it with peft (AutoPeftModelForCausalLM)"),
+                       (["push", str(adapter), "me/x", "--dry-run"], "or push the adapter with peft's own push_to_hub"),
+                       (["convert", str(adapter), "converted"], "and convert that folder"),
+                       (["export-builtin", str(adapter), "builtin"], "and export that folder")]:
+        assert main(argv) == 2 and refusal + then + "." in capsys.readouterr().err, argv
     assert sorted(p.name for p in elsewhere.iterdir()) == ["eval"]
 
 

@@ -74,15 +74,13 @@ def export_folder_to_builtin(source: str | os.PathLike, output_dir: str | os.Pat
     from transformers import AutoTokenizer
 
     from .output_folder import AtomicOutputFolder
-    from .resolve import save_tokenizer
+    from .resolve import adapter_refusal, is_adapter_folder, save_tokenizer
 
     # New or empty, and neither the source nor inside it; renamed into place once complete.
     target = AtomicOutputFolder(output_dir, offers_overwrite=False, inputs=[source])
     if not Path(source, "config.json").is_file():
-        if Path(source, "adapter_config.json").is_file():
-            raise InputNotFoundError(f"{source} is a LoRA adapter folder, not a whole model: merge it first "
-                                     "(diff-llama train ... --lora --merge, or peft's merge_and_unload() then "
-                                     "save_pretrained), and export that folder.")
+        if is_adapter_folder(source):
+            raise InputNotFoundError(adapter_refusal(source, "and export that folder"))
         raise InputNotFoundError(f"{source}: no such diff-llama checkpoint folder (no config.json).")
     config = DiffLlamaConfig.from_pretrained(source)
     to_builtin_config(config)  # refuses what the built-in cannot compute before the weights are read

@@ -10,7 +10,7 @@ from pathlib import Path
 from .configuration_diff_llama import REMOTE_CODE_FILES
 from .errors import UserError
 from .model_card import build_model_card
-from .resolve import check_weights, resolve_model
+from .resolve import adapter_refusal, check_weights, is_adapter_folder, resolve_model
 
 # Training leftovers that do not belong in a published model.
 IGNORE_PATTERNS = ["checkpoint-*", "checkpoint-*/**", ".*", "**/.*", "runs/**", "__pycache__/**", "*.pyc"]
@@ -21,10 +21,8 @@ def check_publishable(folder: str | Path) -> dict:
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"{folder}: no such folder; pass the folder written by diff-llama convert, recover or train.")
-    if (folder / "adapter_config.json").exists():
-        raise UserError(f"{folder} is a LoRA adapter, not a model: merge it into its base model first (diff-llama "
-                        "train ... --lora --merge, or peft's merge_and_unload() then save_pretrained), or push the "
-                        "adapter with peft's own push_to_hub.")
+    if is_adapter_folder(folder):
+        raise UserError(adapter_refusal(folder, "or push the adapter with peft's own push_to_hub"))
     if not (folder / "config.json").exists():
         raise UserError(f"{folder} has no config.json, so it is not a saved model: pass a folder written by "
                         "save_pretrained or diff-llama.")

@@ -170,11 +170,7 @@ def check_model_folder(location: ModelLocation, tokenizer: bool = False, weights
     if location.is_adapter:
         base = adapter_base(location)
         if not adapters:
-            raise AdapterFolderError(
-                f"{folder} is a LoRA adapter folder (adapter_config.json), not a whole model: merge it into its base "
-                f"model `{base}` first (diff-llama train ... --lora --merge, or peft's merge_and_unload() then "
-                "save_pretrained), or load it with peft (AutoPeftModelForCausalLM)."
-            )
+            raise AdapterFolderError(adapter_refusal(folder, "or load it with peft (AutoPeftModelForCausalLM)"))
         if weights:
             check_weights(location)
         try:  # the adapter's own tokenizer (train saves one) is used when it has one, else the base's
@@ -223,6 +219,18 @@ def find_model(name: str | os.PathLike, tokenizer: bool = False, weights: bool =
     check_model_folder(location, tokenizer=tokenizer, weights=weights, adapters=adapters)
     check_hub_model(location)
     return location
+
+
+def adapter_refusal(folder: str | os.PathLike, alternative: str) -> str:
+    """The one line that refuses an adapter folder where a whole model must be handed on: how to merge it, then
+    `alternative` (what else the command's user can do)."""
+    try:
+        on_base = f" `{adapter_base(ModelLocation(str(folder), is_adapter=True))}`"
+    except AdapterFolderError:
+        on_base = ""
+    return (f"{folder} is a LoRA adapter folder (adapter_config.json), not a whole model: merge it into its base "
+            f"model{on_base} first (diff-llama train ... --lora --merge, or peft's merge_and_unload() then "
+            f"save_pretrained), {alternative}.")
 
 
 def adapter_base(location: ModelLocation) -> str:

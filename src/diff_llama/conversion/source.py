@@ -13,7 +13,7 @@ import torch
 from huggingface_hub.repocard import metadata_load
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from ..resolve import ModelNotFoundError, check_hub_model, resolve_model
+from ..resolve import ModelNotFoundError, adapter_refusal, check_hub_model, is_adapter_folder, resolve_model
 from .errors import ConversionError
 
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM"}
@@ -184,9 +184,8 @@ class InMemorySource(LlamaSource):
 def _read_llama_config(folder: Path) -> LlamaConfig:
     config_file = folder / "config.json"
     if not config_file.is_file():
-        if (folder / "adapter_config.json").is_file():
-            raise ConversionError(f"{folder} is a LoRA adapter folder, not a whole LLaMA: merge it into its base model "
-                                  "first (peft's merge_and_unload() then save_pretrained), and convert that folder.")
+        if is_adapter_folder(folder):
+            raise ConversionError(adapter_refusal(folder, "and convert that folder"))
         raise ConversionError(f"{folder} has no config.json; point at a Transformers LLaMA folder or a .gguf file.")
     try:
         raw = json.loads(config_file.read_text())
