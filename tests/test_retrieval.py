@@ -1,6 +1,7 @@
 """Multi-needle retrieval and attention allocation (`diff-llama evaluate`)."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -105,8 +106,12 @@ def test_cases_are_reproducible_and_vary_with_the_seed(tokenizer):
     assert (a.cities, a.numbers) != (b.cities, b.numbers)
     with pytest.raises(ValueError):
         make_case(tokenizer, 300, 0.25, 2, 3)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^20 tokens cannot hold 6 needles and the question, which take \d+;") as no:
         make_case(tokenizer, 20, 0.25, 6, 2)  # the needles alone do not fit
+    least = int(re.search(r"which take (\d+);", str(no.value)).group(1))
+    assert len(make_case(tokenizer, least, 0.25, 6, 2).input_ids) <= least  # the length it asks for does fit
+    with pytest.raises(ValueError, match="^5 tokens cannot hold 1 needle and the question"):
+        make_case(tokenizer, 5, 0.25, 1, 1)
 
 
 def test_a_share_of_the_case_plan_builds_the_very_cases_of_make_cases(tokenizer):

@@ -189,8 +189,9 @@ def make_case(tokenizer, length: int, depth: float, num_needles: int, num_querie
             high = middle - 1
     prompt, context, spans, encoding = build(low)
     if len(encoding["input_ids"]) > length:
-        raise UserError(f"{length} tokens cannot hold {num_needles} needles and the question; give a longer length "
-                        "or fewer needles.")
+        needles = "1 needle" if num_needles == 1 else f"{num_needles} needles"
+        raise UserError(f"{length} tokens cannot hold {needles} and the question, which take "
+                        f"{len(encoding['input_ids'])}; give a length of at least that, or fewer needles.")
     start = prompt.find(context)
     if start < 0:
         raise UserError("the chat template changed the context text, so the needles cannot be located; pass "
