@@ -337,3 +337,50 @@ def test_retrieval_cases_in_a_padded_batch_answer_as_alone_on_cuda(tokenizer, ve
     model = model.to(torch.bfloat16)
     for result in run_cases(model, tokenizer, cases, max_new_tokens=6):
         assert all(torch.isfinite(torch.tensor(share)) for share in result["allocation"].values())
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_train_and_recover_commands_train_on_cuda_in_mixed_precision(tmp_path, tokenizer, monkeypatch, lora):
+    """`diff-llama train` and `recover` as users run them on a GPU: on CUDA, --autocast auto (bf16 there) with
+    gradient checkpointing; recover runs its source beside the student, on the GPU and in the same precision."""
+    import diff_llama.recovery as recovery
+    import diff_llama.training as training
+    from conftest import SAMPLE_TEXT, make_llama
+    from diff_llama.cli import main
+    from diff_llama.resolve import load_causal_lm
+
+    seen = []  # (who, dtype, device) of each layer-0 q_proj forward while the Trainer runs
+    original_teacher, original_lora = recovery.load_teacher, training.with_lora
+
+    def hooked(model, who):
+        model.model.layers[0].self_attn.q_proj.register_forward_hook(
+            lambda module, args, out: seen.append((who, out.dtype, out.device.type)) if torch.is_grad_enabled()
+            or who == "source" else None)
+        return model
+
+    monkeypatch.setattr(training, "with_lora", lambda model, options: original_lora(hooked(model, "student"), options))
+    monkeypatch.setattr(recovery, "with_lora", training.with_lora)
+    monkeypatch.setattr(recovery, "load_teacher", lambda *a, **k: hooked(original_teacher(*a, **k), "source"))
+    source = make_llama(tmp_path / "llama", tokenizer)
+    converted = tmp_path / "diff"
+    assert main(["convert", str(source), str(converted), "--diff-version", "1", "--calibration-tokens", "1024",
+                 "--eval-tokens", "1024"]) == 0
+    (tmp_path / "text.txt").write_text(SAMPLE_TEXT)
+    common = ["--block-size", "32", "--batch-size", "2", "--max-steps", "2", "--autocast", "auto",
+              "--gradient-checkpointing"] + (["--lora"] if lora else [])
+    assert main(["train", str(converted), "--data", str(tmp_path / "text.txt"), "--output", str(tmp_path / "trained"),
+                 *common]) == 0
+    assert seen == [("student", torch.bfloat16, "cuda")] * 4  # 2 steps, each layer again in backward
+    seen.clear()
+    assert main(["recover", str(converted), "--output", str(tmp_path / "recovered"), *common]) == 0
+    assert [entry for entry in seen if entry[0] == "student"] == [("student", torch.bfloat16, "cuda")] * 4
+    assert [entry for entry in seen if entry[0] == "source"][-2:] == [("source", torch.bfloat16, "cuda")] * 2
+    for folder in ("trained", "recovered"):
+        assert load_causal_lm(tmp_path / folder).dtype == torch.float32
+
+
+def test_autocast_keeps_diff_v2_lambda_and_the_subtraction_in_float32_on_cuda():
+    """CUDA's autocast lists are not the CPU's: the same check there (tests/test_diff_v2.py)."""
+    from test_diff_v2 import autocast_keeps_lambda_and_the_subtraction_in_float32
+
+    autocast_keeps_lambda_and_the_subtraction_in_float32(DEVICE)

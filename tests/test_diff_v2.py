@@ -90,6 +90,47 @@ def test_bf16_lambda_projection_keeps_its_bf16_rows_for_backward():
                                atol=1e-3)
 
 
+def ops_under_autocast(model, input_ids, device="cpu", dtype=torch.bfloat16) -> list[tuple[str, torch.dtype]]:
+    """(aten op, output dtype) of every op of a training forward and backward under torch.autocast, as the Trainer's
+    mixed precision (`bf16=True`) runs the model."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            output = func(*args, **(kwargs or {}))
+            if isinstance(output, torch.Tensor):
+                seen.append((func.overloadpacket.__name__, output.dtype))
+            return output
+
+    with Record(), torch.autocast(device, dtype=dtype):
+        model(input_ids, labels=input_ids).loss.backward()
+    return seen
+
+
+def autocast_keeps_lambda_and_the_subtraction_in_float32(device):
+    """Under mixed precision (torch.autocast, which the Trainer's bf16/fp16 wrap the forward in), DIFF V2's λ and the
+    subtraction O_2i − λ·O_2i+1 stay float32, as in a half-precision model: autocast runs `mm` in half precision, so
+    λ's product came out bf16 and took the subtraction down with it."""
+    model = differential_model(2, torch.float32, heads=6, kv_heads=3, layers=2).to(device)
+    attention = model.model.layers[0].self_attn
+    hidden = torch.randn(2, 5, model.config.hidden_size, device=device)
+    with torch.no_grad():
+        expected = torch.sigmoid(hidden.double() @ attention.differential_lambda.lambda_proj.weight.double().t())
+        with torch.autocast(device, dtype=torch.bfloat16):
+            got = attention.differential_lambda(hidden)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-6)  # bf16 is off by about 1e-3
+    ops = ops_under_autocast(model, random_batch()[0].to(device), device)
+    assert ("mm", torch.bfloat16) in ops  # autocast is on: q/k/v/o and the MLP run in bf16
+    assert {dtype for name, dtype in ops if name in ("sigmoid", "addcmul")} == {torch.float32}
+
+
+def test_autocast_keeps_lambda_and_the_subtraction_in_float32():
+    autocast_keeps_lambda_and_the_subtraction_in_float32("cpu")
+
+
 def test_bf16_training_keeps_about_what_a_llama_with_its_query_heads_keeps():
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -124,6 +124,48 @@ def test_train_command_checkpoints_resumes_and_plots(tmp_path, saved_model):
     assert reloaded.get_lambdas().shape == (reloaded.config.num_hidden_layers,)
 
 
+@pytest.mark.parametrize("autocast,computes_in", [("bfloat16", torch.bfloat16), ("none", torch.float32)])
+@pytest.mark.parametrize("lora", [False, True])
+def test_train_with_autocast_and_gradient_checkpointing(tmp_path, saved_model, monkeypatch, autocast, computes_in,
+                                                        lora):
+    """--autocast runs the forward in its dtype (the weights, and so the saved model, stay float32);
+    --gradient-checkpointing recomputes each layer in backward. Both train every weight they should, LoRA and λ
+    included, and a resume may turn gradient checkpointing on or off, not change the precision."""
+    import diff_llama.training as training
+    from diff_llama.resolve import load_causal_lm
+
+    (tmp_path / "text.txt").write_text(SAMPLE_TEXT)
+    seen = []  # the dtype of each forward of layer 0's q_proj in training (autograd on)
+    original = training.with_lora
+
+    def with_hooks(model, options):
+        attention = model.model.layers[0].self_attn
+        attention.q_proj.register_forward_hook(
+            lambda module, args, out: seen.append(out.dtype) if torch.is_grad_enabled() else None)
+        return original(model, options)
+
+    monkeypatch.setattr(training, "with_lora", with_hooks)
+    out = tmp_path / "out"
+    common = [str(saved_model), "--data", str(tmp_path / "text.txt"), "--output", str(out), "--block-size", "32",
+              "--batch-size", "2", "--save-steps", "2", "--no-monitor", "--learning-rate", "1e-2",
+              "--autocast", autocast] + (["--lora"] if lora else [])
+    assert main(["train", *common, "--gradient-checkpointing", "--max-steps", "2"]) == 0
+    assert seen == [computes_in] * 4  # 2 steps, each layer run again in backward
+    before = AutoModelForCausalLM.from_pretrained(saved_model)
+    trained = load_causal_lm(out)  # the adapter merged into its base, for --lora
+    assert trained.dtype == torch.float32
+    changed = {name for name, weight in trained.state_dict().items()
+               if not torch.equal(weight, before.state_dict()[name])}
+    assert any("lambda" in name for name in changed) and any("q_proj" in name for name in changed)
+    assert lora or any("mlp" in name for name in changed)
+    # Resumed without gradient checkpointing: fine. In another precision: refused, in one line.
+    seen.clear()
+    assert main(["train", *common, "--max-steps", "3", "--resume"]) == 0
+    assert seen == [computes_in]
+    other = "float16" if autocast == "none" else "none"
+    assert main(["train", *[a if a != autocast else other for a in common], "--max-steps", "4", "--resume"]) == 2
+
+
 def test_resume_refuses_what_would_not_continue_the_run(tmp_path, saved_model, capsys, monkeypatch):
     """`--resume --lora` on a full run's checkpoints ended in a traceback from the optimizer; another --block-size,
     --batch-size, --data or MODEL trained on, from the step it stopped at, on a stream the run never saw. Each is one
@@ -137,7 +179,8 @@ def test_resume_refuses_what_would_not_continue_the_run(tmp_path, saved_model, c
     assert main(["train", *common, "--data", str(text), "--max-steps", "2"]) == 0
     record = json.loads((out / "checkpoint-2" / "diff_llama_run.json").read_text())
     assert record["data"] == str(text.resolve()) and record["model"] == str(saved_model.resolve())
-    may_change = "only --max-steps, --epochs, --save-steps, --logging-steps, --monitor, --merge may change"
+    may_change = ("only --max-steps, --epochs, --save-steps, --logging-steps, --monitor, --merge, "
+                  "--gradient-checkpointing may change")
     for change, says in [
         (["--data", str(text), "--lora"],
          f"{out / 'checkpoint-2'} holds a full training run; resume it without --lora"),
@@ -401,6 +444,35 @@ def test_recover_command_distils_from_the_source(tmp_path, tokenizer, lora, budg
     recovered = AutoModelForCausalLM.from_pretrained(out)
     torch.testing.assert_close(recovered.get_lambdas(), torch.tensor(report["lambdas"]))
     assert "after recovery" in (out / "README.md").read_text()
+
+
+def test_recover_with_autocast_runs_the_source_in_it_too(tmp_path, tokenizer, monkeypatch):
+    """recover --autocast: the student's forward in bfloat16 (the Trainer's mixed precision) and the source's
+    alongside it too, on the student's device; the saved model stays float32."""
+    import diff_llama.recovery as recovery
+
+    source = make_llama(tmp_path / "llama", tokenizer)
+    converted = tmp_path / "diff"
+    assert main(["convert", str(source), str(converted), "--diff-version", "1", "--calibration-tokens", "1024",
+                 "--eval-tokens", "1024"]) == 0
+    in_training = []  # the dtype of the source's and the student's layer-0 q_proj while the Trainer runs
+    original_teacher, original_lora = recovery.load_teacher, recovery.with_lora
+
+    def hooked(model, who):
+        model.model.layers[0].self_attn.q_proj.register_forward_hook(
+            lambda module, args, out: in_training.append((who, out.dtype, out.device.type)) if torch.is_grad_enabled()
+            or who == "source" else None)
+        return model
+
+    monkeypatch.setattr(recovery, "load_teacher", lambda *a, **k: hooked(original_teacher(*a, **k), "source"))
+    monkeypatch.setattr(recovery, "with_lora", lambda model, options: original_lora(hooked(model, "student"), options))
+    out = tmp_path / "recovered"
+    assert main(["recover", str(converted), "--output", str(out), "--max-steps", "2", "--block-size", "32",
+                 "--batch-size", "2", "--autocast", "bfloat16"]) == 0
+    trained = [entry for entry in in_training if entry[0] == "student"]
+    assert trained == [("student", torch.bfloat16, "cpu")] * 2
+    assert in_training.count(("source", torch.bfloat16, "cpu")) == 2  # alongside each step (not its perplexity)
+    assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.float32
 
 
 def test_recover_resume_continues_the_curve_and_the_time_budget(tmp_path, tokenizer, capsys):

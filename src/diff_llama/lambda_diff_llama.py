@@ -101,6 +101,11 @@ class DiffLlamaFloat32Linear(nn.Linear):
     """nn.Linear computed in float32 or wider, whatever the dtype of its weight and input."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(hidden_states.device.type):
+            # Mixed precision (the Trainer's bf16/fp16) would run the product in half precision: mm is on autocast's
+            # lists. λ stays float32 there too.
+            with torch.autocast(hidden_states.device.type, enabled=False):
+                return self.forward(hidden_states)
         dtype = _float32_or_wider(hidden_states.dtype)
         if self.bias is not None:
             return nn.functional.linear(hidden_states.to(dtype), self.weight.to(dtype), self.bias.to(dtype))

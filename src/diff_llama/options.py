@@ -107,6 +107,13 @@ class TrainingRunOptions:
     block_size: int = field(default=256, metadata={"help": "tokens per example"})
     resume: bool = field(default=False, metadata={"help": "continue from the last checkpoint-N in --output"})
     seed: int = field(default=0, metadata={"help": "seed of initialisation, data order and sampling"})
+    autocast: Literal["none", "auto", "bfloat16", "float16"] = field(default="none", metadata={"help": (
+        "mixed precision: the forward pass in this dtype, the weights and optimizer in float32; auto: bfloat16 where "
+        "the training device computes it in hardware (a GPU from Ampere on, a CPU with bf16 units), else none; "
+        "none: float32 throughout, as the Trainer's default")})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": (
+        "recompute each layer's activations in backward instead of keeping them: less memory for longer blocks or "
+        "larger batches, at about one more forward pass of time")})
 
     def __post_init__(self):
         # Checked here, before a model loads or OUTPUT is made: torch, peft and the Trainer would fail later, after

@@ -26,6 +26,7 @@ from .training import (
     TokenBlocks,
     TokenizerInCheckpoints,
     check_resumed_run,
+    compute_arguments,
     joined_text,
     load_for_training,
     optimizer_for,
@@ -59,7 +60,8 @@ class DistillationTrainer(Trainer):
     def __init__(self, *args, teacher, lambda_floor: float = 0.0, lambda_floor_ramp_steps: int = 0,
                  lambda_floor_weight: float = 1.0, **kwargs):
         super().__init__(*args, **kwargs)
-        self.teacher = teacher.eval().requires_grad_(False)
+        # Beside the student, which the Trainer has moved to its device (a GPU where there is one).
+        self.teacher = teacher.eval().requires_grad_(False).to(self.args.device)
         self.lambda_floor = lambda_floor
         self.lambda_floor_ramp_steps = lambda_floor_ramp_steps
         self.lambda_floor_weight = lambda_floor_weight
@@ -73,7 +75,7 @@ class DistillationTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = {k: v for k, v in inputs.items() if k != "labels"}
         outputs = model(**inputs)
-        with torch.no_grad():
+        with torch.no_grad(), self.accelerator.autocast():  # the student's mixed precision (accelerate's)
             teacher_logits = self.teacher(**inputs).logits
         loss = distillation_kl(outputs.logits, teacher_logits, inputs.get("attention_mask"))
         if self.lambda_floor > 0:
@@ -312,7 +314,7 @@ def recover(model_path: str, options: RecoveryOptions) -> dict:
         learning_rate=learning_rate, warmup_steps=WARMUP_STEPS,
         lr_scheduler_type="linear" if linear and not by_time else "constant_with_warmup",
         logging_steps=5, save_steps=options.save_steps, save_total_limit=1, report_to="none", seed=options.seed,
-        dataloader_drop_last=True, disable_tqdm=by_time,
+        dataloader_drop_last=True, disable_tqdm=by_time, **compute_arguments(options),
     )
     monitor = RecoveryMonitor(held_out_ids, options.eval_minutes, options.minutes if by_time else None)
     monitor.resume(monitor_state)

@@ -290,7 +290,26 @@ RUN_RECORD = "diff_llama_run.json"
 # What a resumed `train` or `recover` may change: how long it runs, how often it saves and logs, what it writes at the
 # end. Anything else would change what the run trains, or (--lora) could not load its optimizer state.
 RESUMABLE_CHANGES = ("max_steps", "epochs", "minutes", "save_steps", "logging_steps", "eval_minutes", "monitor",
-                     "merge", "threads")
+                     "merge", "threads", "gradient_checkpointing")
+
+
+def compute_arguments(options: TrainingRunOptions) -> dict:
+    """Where and how the Trainer computes: the accelerator where there is one, else the CPU (several processes then
+    still train as one data-parallel job, over gloo, as they would over NCCL on GPUs); `options.autocast` on that
+    device (`auto`: bfloat16 where it computes it in hardware, `precision.fastest_dtype`); gradient checkpointing."""
+    from dataclasses import fields
+
+    from transformers import TrainingArguments
+
+    from .precision import resolve_dtype
+
+    device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
+    dtype = resolve_dtype(options.autocast, device)
+    # transformers 5.x renamed it; the old name still works there, with a FutureWarning.
+    known = {field.name for field in fields(TrainingArguments)}
+    checkpointing = "activation_checkpointing" if "activation_checkpointing" in known else "gradient_checkpointing"
+    return {"use_cpu": device.type == "cpu", "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16,
+            checkpointing: options.gradient_checkpointing}
 
 
 def run_record(model_path: str, options: TrainingRunOptions) -> dict:
@@ -436,10 +455,7 @@ def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> P
         per_device_train_batch_size=options.batch_size, gradient_accumulation_steps=options.gradient_accumulation,
         learning_rate=learning_rate, lr_scheduler_type="cosine", warmup_steps=0.05,
         logging_steps=options.logging_steps, save_steps=options.save_steps, save_total_limit=2, report_to="none",
-        seed=options.seed,
-        # Without an accelerator, several processes (torchrun, `accelerate launch --multi_gpu`) then train as one
-        # data-parallel job over gloo, as they would over NCCL on GPUs (otherwise each would train alone).
-        use_cpu=not torch.accelerator.is_available(),
+        seed=options.seed, **compute_arguments(options),
     )
     trainer = Trainer(model=model, args=args, train_dataset=dataset,
                       callbacks=[LogLastStep(), TokenizerInCheckpoints(tokenizer),
