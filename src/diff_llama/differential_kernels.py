@@ -599,6 +599,9 @@ def decode_differential_attention(module, query, key, value, attention_mask, lam
 
 
 def paired_sdpa_cpu_differential_attention(module, query, key, value, attention_mask, lambda_full, **kwargs):
+    # Under autocast the values come from v_proj in half precision while the queries and keys, after RoPE, are
+    # float32; the fused kernel takes one dtype (SDPA itself would be cast by autocast, its private op is not).
+    value = value.to(query.dtype)
     attn_output = CausalPairedAttentionCPU.apply(query, key, value, module.scaling).transpose(1, 2)
     return _pair_difference(*attn_output.chunk(2, dim=2), lambda_full), None
 
