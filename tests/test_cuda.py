@@ -384,3 +384,11 @@ def test_autocast_keeps_diff_v2_lambda_and_the_subtraction_in_float32_on_cuda():
     from test_diff_v2 import autocast_keeps_lambda_and_the_subtraction_in_float32
 
     autocast_keeps_lambda_and_the_subtraction_in_float32(DEVICE)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("kernel", [None, "generic", "blocked", "paired_sdpa_cuda"])
+def test_every_kernel_trains_under_autocast_with_a_float32_difference_on_cuda(backend, kernel):
+    from test_kernels import trains_under_autocast_with_a_float32_difference
+
+    trains_under_autocast_with_a_float32_difference(backend, kernel, DEVICE)

@@ -324,9 +324,7 @@ def test_bf16_blocked_gradients_near_fp32():
         assert (low - high).abs().max().item() <= 0.03 * scale, name
 
 
-@pytest.mark.parametrize("backend", ["eager", "sdpa"])
-@pytest.mark.parametrize("kernel", [None, "generic", "blocked", "paired_sdpa_cpu"])
-def test_every_cpu_kernel_trains_under_autocast_with_a_float32_difference(backend, kernel):
+def trains_under_autocast_with_a_float32_difference(backend, kernel, device="cpu"):
     """Mixed precision (torch.autocast, as the Trainer's bf16 runs the model) hands a kernel float32 queries and keys
     (RoPE's float32 angles promote them) with half-precision values: each kernel trains there (paired_sdpa_cpu's
     private op refused the mix), λ and the difference A1·V − λ·A2·V stay float32, and the loss and gradients are the
@@ -334,14 +332,15 @@ def test_every_cpu_kernel_trains_under_autocast_with_a_float32_difference(backen
     results = {}
     for autocast in (False, True):
         torch.manual_seed(0)
-        model = tiny_model(num_attention_heads=6, num_key_value_heads=3, num_hidden_layers=2)
+        model = tiny_model(num_attention_heads=6, num_key_value_heads=3, num_hidden_layers=2).to(device)
         model.set_attn_implementation(backend)
         model.set_differential_kernel(kernel)
         differences = []
         for layer in model.model.layers:
             layer.self_attn.head_norm.register_forward_hook(lambda module, args, out: differences.append(args[0].dtype))
-        input_ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        generator = torch.Generator().manual_seed(1)
+        input_ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=generator).to(device)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             loss = model(input_ids, labels=input_ids).loss
         loss.backward()
         assert len(differences) >= 2 and set(differences) == {torch.float32}  # (backward may run the norm again)
@@ -349,6 +348,12 @@ def test_every_cpu_kernel_trains_under_autocast_with_a_float32_difference(backen
     assert results[True][0] == pytest.approx(results[False][0], rel=2e-2)
     scale = results[False][1].abs().max().item()
     assert (results[True][1] - results[False][1]).abs().max().item() <= 0.05 * scale
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("kernel", [None, "generic", "blocked", "paired_sdpa_cpu"])
+def test_every_cpu_kernel_trains_under_autocast_with_a_float32_difference(backend, kernel):
+    trains_under_autocast_with_a_float32_difference(backend, kernel)
 
 
 def test_dispatch_picks_by_backend_device_and_step():
