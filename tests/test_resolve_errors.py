@@ -339,3 +339,33 @@ def test_each_gguf_file_is_parsed_once_within_the_block(tmp_path):
         _write_gguf(first, "rewritten")  # another file at the same path: parsed afresh
         assert bytes(gguf.GGUFReader(first).fields["general.name"].parts[-1]) == b"rewritten"
     assert gguf.GGUFReader is parse and gguf.GGUFReader(first) is not gguf.GGUFReader(first)
+
+
+def test_a_device_is_checked_before_anything_loads(tmp_path, capsys, monkeypatch):
+    """`evaluate` and `ruler` default to `--device auto` (the accelerator where there is one); a device that torch
+    does not know, or that this machine lacks, is one line before any model loads or the output folder is made,
+    where it was a traceback from `model.to()`."""
+    import torch
+
+    from diff_llama.cli import main
+    from diff_llama.errors import UserError
+    from diff_llama.resolve import accelerator, resolve_device
+
+    assert resolve_device("auto") == (accelerator().type if accelerator() is not None else "cpu")
+    assert resolve_device("cpu") == "cpu"
+    with pytest.raises(UserError, match=r"^--device gpu is not a device: give auto, cpu, cuda, cuda:1, \.\.\.$"):
+        resolve_device("gpu")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    has = f"{count} cuda device{'s' if count != 1 else ''}" if count else "no cuda device"
+    with pytest.raises(UserError, match=f"^--device cuda:{count}: this machine has {has} "):
+        resolve_device(f"cuda:{count}")
+    # Before torch 2.6 (no torch.accelerator): CUDA's own answer.
+    monkeypatch.delattr(torch, "accelerator")
+    assert accelerator() == (torch.device("cuda") if torch.cuda.is_available() else None)
+    monkeypatch.undo()
+    for command in (["evaluate", "smollm2"], ["ruler", "smollm2"]):
+        out = tmp_path / command[0]
+        assert main([*command, "--output", str(out), "--device", "gpu"]) == 2
+        assert capsys.readouterr().err.strip().endswith("error: --device gpu is not a device: give auto, cpu, cuda, "
+                                                        "cuda:1, ...")
+        assert not out.exists()

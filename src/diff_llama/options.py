@@ -276,7 +276,8 @@ class RetrievalArguments:
     dtype: str = field(default="float32", metadata={
         "help": "float32, bfloat16, float16, or auto (bfloat16 where the device computes it in hardware, else "
         "float32)"})
-    device: str = field(default="cpu", metadata={"help": "cpu, cuda, ..."})
+    device: str = field(default="auto", metadata={
+        "help": "auto (the GPU or other accelerator where there is one, else the CPU), cpu, cuda, cuda:1, ..."})
 
     def __post_init__(self):
         require_at_least(1, cases_per_depth=self.cases_per_depth, max_new_tokens=self.max_new_tokens,
@@ -334,7 +335,8 @@ class RulerOptions:
     dtype: str = field(default="float32", metadata={
         "help": "float32, bfloat16, float16, or auto (bfloat16 where the device computes it in hardware, else "
         "float32)"})
-    device: str = field(default="cpu", metadata={"help": "cpu, cuda, ..."})
+    device: str = field(default="auto", metadata={
+        "help": "auto (the GPU or other accelerator where there is one, else the CPU), cpu, cuda, cuda:1, ..."})
 
     def __post_init__(self):
         for task in self.tasks:

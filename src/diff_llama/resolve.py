@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import InputNotFoundError
+from .errors import InputNotFoundError, UserError
 
 SMOLLM2 = "smollm2"
 
@@ -306,12 +306,45 @@ def release_gguf_quantizer(model) -> None:
         quantizer.remove_quantization_config(model)
 
 
+def accelerator():
+    """This machine's accelerator as a torch.device (a CUDA GPU, ...), or None where there is none. (torch.accelerator
+    came with torch 2.6; before it, CUDA only.)"""
+    import torch
+
+    if hasattr(torch, "accelerator"):
+        return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return torch.device("cuda") if torch.cuda.is_available() else None
+
+
+def resolve_device(name: str) -> str:
+    """A `--device` value, checked before any model loads: 'auto' is this machine's accelerator where there is one,
+    else the CPU; a device torch does not know, or one this machine does not have, is refused in one line."""
+    import torch
+
+    found = accelerator()
+    if name == "auto":
+        return found.type if found is not None else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {name} is not a device: give auto, cpu, cuda, cuda:1, ...") from None
+    if device.type not in ("cpu", "meta"):
+        count = torch.get_device_module(device.type).device_count() if found and found.type == device.type else 0
+        if count == 0 or (device.index is not None and device.index >= count):
+            has = f"{count} {device.type} device{'s' if count != 1 else ''}" if count else f"no {device.type} device"
+            raise UserError(f"--device {name}: this machine has {has} (torch {torch.__version__}); give --device "
+                            "auto, or cpu")
+    return name
+
+
 def load_model(name: str | os.PathLike, dtype: str = "float32", device: str = "cpu"):
     """Model and tokenizer, ready for inference: `load_causal_lm` in `dtype` (a dtype option's value, 'auto'
-    included: `precision.resolve_dtype`) with sdpa attention, moved to `device`, in eval mode; and `load_tokenizer`.
-    The tokenizer loads first: a folder without one fails before the weights are read."""
+    included: `precision.resolve_dtype`) with sdpa attention, moved to `device` ('auto' included: `resolve_device`),
+    in eval mode; and `load_tokenizer`. The tokenizer loads first: a folder without one fails before the weights are
+    read."""
     from .precision import resolve_dtype
 
+    device = resolve_device(device)
     tokenizer = load_tokenizer(name)
     model = load_causal_lm(name, dtype=resolve_dtype(dtype, device), attn_implementation="sdpa")
     return model.to(device).eval(), tokenizer

@@ -302,8 +302,9 @@ def compute_arguments(options: TrainingRunOptions) -> dict:
     from transformers import TrainingArguments
 
     from .precision import resolve_dtype
+    from .resolve import accelerator
 
-    device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
+    device = accelerator() or torch.device("cpu")
     dtype = resolve_dtype(options.autocast, device)
     # transformers 5.x renamed it; the old name still works there, with a FutureWarning.
     known = {field.name for field in fields(TrainingArguments)}
@@ -434,7 +435,9 @@ def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> P
     from .monitoring import DifferentialAttentionCallback, plot_differential_attention
     from .output_folder import give_weights_the_usual_permissions
 
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not torch.accelerator.is_available():
+    from .resolve import accelerator
+
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator() is None:
         raise UserError(
             "FSDP was requested (accelerate's FSDP config) but this machine has no GPU or other accelerator: "
             "accelerate shards models with FSDP only on accelerators and runs CPU processes as data parallel (DDP). "

@@ -15,10 +15,12 @@ from ..precision import resolve_dtype
 def training_device(options: AdaptationOptions) -> torch.device:
     """Where the Trainer will train: the CPU when asked or when there is no accelerator, else this process's
     accelerator (under `accelerate launch`, the one of its local rank)."""
-    if options.device == "cpu" or not torch.accelerator.is_available():
+    from ..resolve import accelerator
+
+    found = accelerator()
+    if options.device == "cpu" or found is None:
         return torch.device("cpu")
-    accelerator = torch.accelerator.current_accelerator()
-    return torch.device(accelerator.type, int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device(found.type, int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def autocast_dtype(options: AdaptationOptions, device: str | torch.device = "cpu"):

@@ -180,8 +180,9 @@ def evaluate_models(models: list[str], options: RetrievalArguments, overwrite: b
     names = options.names or [display_name(m) for m in models]
     if len(names) != len(models):
         raise UserError(f"{len(names)} names for {len(models)} models; give one --names label per model.")
-    from ..resolve import find_model, load_model
+    from ..resolve import find_model, load_model, resolve_device
 
+    device = resolve_device(options.device)  # a device this machine lacks, before its output folder is made
     for source in models:  # a missing model (or tokenizer) stops the run before its output folder is made
         find_model(source, tokenizer=True, adapters=True)
     from ..output_folder import new_output_folder
@@ -191,7 +192,7 @@ def evaluate_models(models: list[str], options: RetrievalArguments, overwrite: b
     if scored is not None:
         print(f"Resuming the interrupted evaluation in {output}: the {len(scored)} case(s) already scored in "
               "cases.jsonl are kept, not scored again.", file=sys.stderr)
-    report = {"options": asdict(options), "models": []}
+    report = {"options": asdict(options), "device": device, "models": []}
     target = contextlib.nullcontext(output) if scored is not None else new_output_folder(
         output, overwrite=overwrite, command="evaluate", inputs=models, run=run)
     with target as folder:

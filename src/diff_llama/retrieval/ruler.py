@@ -187,8 +187,9 @@ def ruler_models(models: list[str], options: RulerOptions, overwrite: bool = Fal
         raise UserError(f"--cases-only sizes the cases with one model's tokenizer, and {len(models)} models were "
                         "given; give one.")
     from ..output_folder import new_output_folder
-    from ..resolve import find_model, load_model
+    from ..resolve import find_model, load_model, resolve_device
 
+    device = resolve_device(options.device)  # a device this machine lacks, before its output folder is made
     for source in models:  # a missing model (or tokenizer) stops the run before its output folder is made
         find_model(source, tokenizer=True, adapters=True)
     if options.cases_file:
@@ -208,7 +209,7 @@ def ruler_models(models: list[str], options: RulerOptions, overwrite: bool = Fal
         contents = read_case_file(case_path) if case_path.exists() else _case_contents(models, options)
         if not case_path.exists():
             write_case_file(contents, case_path)
-        report = {"options": run["options"], "cases": {k: v for k, v in contents.items() if k != "cases"}, "models": []}
+        report = {"options": run["options"], "device": device, "cases": {k: v for k, v in contents.items() if k != "cases"}, "models": []}
         if options.cases_only:
             return report
         progress_file, scored = folder / "cases.jsonl", scored or []
