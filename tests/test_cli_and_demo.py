@@ -314,6 +314,11 @@ def test_generate_command_streams_text(tmp_path, tokenizer, capsys):
     with mock.patch("sys.stdin", io.StringIO("The quick brown\n")):  # `echo ... | diff-llama generate m -`
         assert main(["generate", str(tmp_path / "m"), "-", "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out == greedy
+    # --device auto (the default) is the accelerator where there is one; a device that is none is refused in one line.
+    assert main(["generate", str(tmp_path / "m"), "The quick brown", "--max-new-tokens", "8", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == greedy
+    err = _fails_in_one_line(capsys, ["generate", str(tmp_path / "m"), "Hi", "--device", "gpu"])
+    assert err == "diff-llama generate: error: --device gpu is not a device: give auto, cpu, cuda, cuda:1, ..."
 
 
 def test_attention_map_command_writes_pngs(tmp_path, tokenizer, capsys):

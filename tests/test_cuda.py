@@ -377,6 +377,7 @@ def test_train_and_recover_commands_train_on_cuda_in_mixed_precision(tmp_path, t
     assert [entry for entry in seen if entry[0] == "source"][-2:] == [("source", torch.bfloat16, "cuda")] * 2
     for folder in ("trained", "recovered"):
         assert load_causal_lm(tmp_path / folder).dtype == torch.float32
+        assert main(["generate", str(tmp_path / folder), "The quick", "--raw", "--max-new-tokens", "4"]) == 0  # on CUDA
 
 
 def test_autocast_keeps_diff_v2_lambda_and_the_subtraction_in_float32_on_cuda():

@@ -46,15 +46,17 @@ def generate(model, prompt, options: o.GenerateOptions) -> int:
     import torch
     from transformers import TextStreamer
 
-    from .resolve import load_causal_lm, load_tokenizer
+    from .resolve import load_causal_lm, load_tokenizer, resolve_device
 
+    device = resolve_device(options.device)
     if prompt == "-":  # a long prompt, or one made by another program: `echo ... | diff-llama generate MODEL -`
         prompt = sys.stdin.read().removesuffix("\n")  # the newline echo adds is not part of the prompt
     tokenizer = load_tokenizer(model)
     inputs = encode_prompt(tokenizer, prompt, use_chat_template=not options.raw)
     if inputs["input_ids"].shape[-1] == 0:
         raise UserError("the prompt is empty; give some text to continue (with --raw, no chat template adds any).")
-    lm = load_causal_lm(model)
+    lm = load_causal_lm(model).to(device)
+    inputs = inputs.to(device)
     sampling = dict(do_sample=True, temperature=options.temperature, top_p=options.top_p) if options.temperature > 0 else {}
     torch.manual_seed(options.seed)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)

@@ -201,6 +201,8 @@ class GenerateOptions:
     top_p: float = field(default=0.95, metadata={"help": "nucleus sampling (with --temperature)"})
     seed: int = field(default=0, metadata={"help": "sampling seed"})
     raw: bool = field(default=False, metadata={"help": "send the prompt as plain text, ignoring the chat template"})
+    device: str = field(default="auto", metadata={
+        "help": "auto (the GPU or other accelerator where there is one, else the CPU), cpu, cuda, cuda:1, ..."})
 
     def __post_init__(self):
         require_at_least(1, max_new_tokens=self.max_new_tokens)
