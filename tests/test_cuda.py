@@ -342,7 +342,8 @@ def test_retrieval_cases_in_a_padded_batch_answer_as_alone_on_cuda(tokenizer, ve
 @pytest.mark.parametrize("lora", [False, True])
 def test_train_and_recover_commands_train_on_cuda_in_mixed_precision(tmp_path, tokenizer, monkeypatch, lora):
     """`diff-llama train` and `recover` as users run them on a GPU: on CUDA, --autocast auto (bf16 there) with
-    gradient checkpointing; recover runs its source beside the student, on the GPU and in the same precision."""
+    gradient checkpointing; recover samples its text from the source and runs the source beside the student, on the
+    GPU and in the same precision; generate runs there too."""
     import diff_llama.recovery as recovery
     import diff_llama.training as training
     from conftest import SAMPLE_TEXT, make_llama
@@ -372,7 +373,7 @@ def test_train_and_recover_commands_train_on_cuda_in_mixed_precision(tmp_path, t
                  *common]) == 0
     assert seen == [("student", torch.bfloat16, "cuda")] * 4  # 2 steps, each layer again in backward
     seen.clear()
-    assert main(["recover", str(converted), "--output", str(tmp_path / "recovered"), *common]) == 0
+    assert main(["recover", str(converted), "--output", str(tmp_path / "recovered"), "--generate", "64", *common]) == 0
     assert [entry for entry in seen if entry[0] == "student"] == [("student", torch.bfloat16, "cuda")] * 4
     assert [entry for entry in seen if entry[0] == "source"][-2:] == [("source", torch.bfloat16, "cuda")] * 2
     for folder in ("trained", "recovered"):

@@ -204,7 +204,7 @@ def teacher_generated_text(teacher, tokenizer, num_tokens: int, length: int = 25
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     texts = []
     for _ in range(math.ceil(num_tokens / (length * batch_size))):
-        prompt = torch.full((batch_size, 1), start, dtype=torch.long)
+        prompt = torch.full((batch_size, 1), start, dtype=torch.long, device=teacher.device)
         out = teacher.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, temperature=1.0,
                                top_k=0, top_p=1.0, max_new_tokens=length, min_new_tokens=length,
                                pad_token_id=tokenizer.eos_token_id)
@@ -284,7 +284,9 @@ def recover(model_path: str, options: RecoveryOptions) -> dict:
         monitor_state = resumed_monitor_state(checkpoint, options)
     documents = read_documents(options.data) if options.data else None  # a wrong path fails before any loading
     tokenizer, student = load_for_training(model_path, options.seed)
-    teacher = load_teacher(source)
+    from .resolve import accelerator
+
+    teacher = load_teacher(source).to(accelerator() or "cpu")  # where the Trainer will train: it samples text there
     if teacher.config.vocab_size != student.config.vocab_size:
         raise UserError(f"source vocabulary ({teacher.config.vocab_size}) differs from the model's "
                         f"({student.config.vocab_size}); --source must be the LLaMA this model was converted from.")
