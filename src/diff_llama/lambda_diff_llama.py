@@ -101,10 +101,11 @@ class DiffLlamaFloat32Linear(nn.Linear):
     """nn.Linear computed in float32 or wider, whatever the dtype of its weight and input."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if torch.is_autocast_enabled(hidden_states.device.type):
+        device_type = hidden_states.device.type  # autocast has no meta device (the memory prediction runs there)
+        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
             # Mixed precision (the Trainer's bf16/fp16) would run the product in half precision: mm is on autocast's
             # lists. λ stays float32 there too.
-            with torch.autocast(hidden_states.device.type, enabled=False):
+            with torch.autocast(device_type, enabled=False):
                 return self.forward(hidden_states)
         dtype = _float32_or_wider(hidden_states.dtype)
         if self.bias is not None:
