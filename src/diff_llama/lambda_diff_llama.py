@@ -101,8 +101,10 @@ class DiffLlamaFloat32Linear(nn.Linear):
     """nn.Linear computed in float32 or wider, whatever the dtype of its weight and input."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        device_type = hidden_states.device.type  # autocast has no meta device (the memory prediction runs there)
-        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        # Autocast has no meta device (the memory prediction runs there); torch.amp.is_autocast_available would ask,
+        # but torch 2.11's compiler cannot trace it.
+        device_type = hidden_states.device.type
+        if device_type != "meta" and torch.is_autocast_enabled(device_type):
             # Mixed precision (the Trainer's bf16/fp16) would run the product in half precision: mm is on autocast's
             # lists. λ stays float32 there too.
             with torch.autocast(device_type, enabled=False):
