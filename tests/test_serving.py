@@ -280,6 +280,21 @@ def test_serve_refuses_a_port_outside_tcps_range_before_loading(model_dir, port,
     assert err == f"diff-llama serve: error: --port {port}: a TCP port is between 1 and 65535; give one such as 8000"
 
 
+def test_serve_refuses_a_device_that_is_none_before_loading(model_dir, capsys):
+    """transformers' server took `--device gpu` (or cuda on a machine without one) as it loaded the model, and
+    failed there with a traceback."""
+    import torch
+
+    from diff_llama.cli import main
+
+    assert main(["serve", str(model_dir), "--device", "gpu"]) == 2
+    assert capsys.readouterr().err.strip() == ("diff-llama serve: error: --device gpu is not a device: give auto, cpu, "
+                                               "cuda, cuda:1, ...")
+    if not torch.cuda.is_available():
+        assert main(["serve", str(model_dir), "--device", "cuda"]) == 2
+        assert "--device cuda: this machine has no cuda device" in capsys.readouterr().err
+
+
 def test_the_server_loads_a_diff_llamas_tokenizer_without_asking_for_processor_files(model_dir):
     """AutoProcessor asks for image and video processor files first: from a Hub id, a request each (a minute of
     retries each without network). A DiffLlama reads text only."""

@@ -434,7 +434,9 @@ class ServeOptions:
         f"Transformers backend (DIFF V2 only; needs vLLM beside diff-llama: {VLLM_INSTALL_COMMANDS})"})
     host: str = field(default="localhost", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on"})
-    device: str = field(default="auto", metadata={"help": "device for inference: auto, cpu, cuda, cuda:0, ..."})
+    device: str = field(default="auto", metadata={"help": (
+        "device for inference: auto (the accelerator where there is one), cpu, cuda, cuda:1, ... (or accelerate's "
+        "balanced, balanced_low_0, sequential, to spread a model over several GPUs)")})
     dtype: str = field(default="auto", metadata={
         "help": "dtype of the weights: auto (the checkpoint's), float32, bfloat16, float16"})
     attn_implementation: str | None = field(default=None, metadata={

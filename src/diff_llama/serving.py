@@ -215,6 +215,10 @@ def serve(model: str, options) -> int:
     import diff_llama  # noqa: F401  (registers the Auto classes: the package's code serves without trust_remote_code)
 
     force_model, aliases = served_names(model)  # before the serving extras: the model is the likelier mistake
+    if options.device not in DEVICE_MAP_STRATEGIES:  # a device this machine lacks failed as the model loaded
+        from .resolve import resolve_device
+
+        resolve_device(options.device)
     require_free_port(options.host, options.port)  # the server binds only after loading the model
     if not is_serve_available():
         raise MissingPackageError(
@@ -233,6 +237,10 @@ def serve(model: str, options) -> int:
     with diff_llama_model_loading(aliases), guarded_server(options.request_timeout):
         Serve(force_model=force_model, **server_options)
     return 0  # Serve runs the server until it is stopped
+
+
+# What the transformers server's --device also takes besides a device: accelerate's ways of spreading a model.
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 def require_free_port(host: str, port: int) -> None:
