@@ -4,7 +4,8 @@ machines); run on a lent GPU with `pytest tests/test_cuda.py`.
 Version 1 with every kernel that runs on CUDA (generic, blocked, decode, paired_sdpa_cuda) and DIFF V2, on the eager, SDPA and
 FlexAttention backends (flash-attention 2 too where `flash_attn` is installed), for odd G, G = 1 and even G, with left
 padding, a cache, gradients and bf16. The models are built and randomised in float64 on the CPU, where the reference
-runs, then copied to the GPU: the GPU sees exactly the weights the reference saw.
+runs, then copied to the GPU: the GPU sees exactly the weights the reference saw. Then what users run on a GPU:
+mixed precision (autocast) in every kernel, and the train, recover and generate commands.
 """
 
 import importlib.util
