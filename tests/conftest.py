@@ -241,6 +241,37 @@ def llama_dir(tmp_path, tokenizer):
     return make_llama(tmp_path / "llama", tokenizer)
 
 
+class LayerZeroQueries:
+    """Watches the commands' models from inside: `watch(monkeypatch)` hooks layer 0's q_proj of the model that `train`
+    and `recover` train ("student", as it goes to `with_lora`) and of recover's source ("source"), and `seen` gets
+    (who, dtype, device type) of each forward the Trainer runs (autograd on) and of every forward of the source."""
+
+    def __init__(self):
+        self.seen = []
+
+    def hook(self, model, who: str):
+        def record(module, args, out):
+            if torch.is_grad_enabled() or who == "source":
+                self.seen.append((who, out.dtype, out.device.type))
+
+        model.model.layers[0].self_attn.q_proj.register_forward_hook(record)
+        return model
+
+    def watch(self, monkeypatch):
+        import diff_llama.recovery as recovery
+        import diff_llama.training as training
+
+        with_lora, load_teacher = training.with_lora, recovery.load_teacher
+        hooked_lora = lambda model, options: with_lora(self.hook(model, "student"), options)  # noqa: E731
+        monkeypatch.setattr(training, "with_lora", hooked_lora)
+        monkeypatch.setattr(recovery, "with_lora", hooked_lora)
+        monkeypatch.setattr(recovery, "load_teacher", lambda *a, **k: self.hook(load_teacher(*a, **k), "source"))
+        return self
+
+    def of(self, who: str) -> list:
+        return [(dtype, device) for name, dtype, device in self.seen if name == who]
+
+
 def folder_checksum(folder: Path) -> str:
     digest = hashlib.sha256()
     for file in sorted(folder.rglob("*")):

@@ -345,24 +345,11 @@ def test_train_and_recover_commands_train_on_cuda_in_mixed_precision(tmp_path, t
     """`diff-llama train` and `recover` as users run them on a GPU: on CUDA, --autocast auto (bf16 there) with
     gradient checkpointing; recover samples its text from the source and runs the source beside the student, on the
     GPU and in the same precision; generate runs there too."""
-    import diff_llama.recovery as recovery
-    import diff_llama.training as training
-    from conftest import SAMPLE_TEXT, make_llama
+    from conftest import SAMPLE_TEXT, LayerZeroQueries, make_llama
     from diff_llama.cli import main
     from diff_llama.resolve import load_causal_lm
 
-    seen = []  # (who, dtype, device) of each layer-0 q_proj forward while the Trainer runs
-    original_teacher, original_lora = recovery.load_teacher, training.with_lora
-
-    def hooked(model, who):
-        model.model.layers[0].self_attn.q_proj.register_forward_hook(
-            lambda module, args, out: seen.append((who, out.dtype, out.device.type)) if torch.is_grad_enabled()
-            or who == "source" else None)
-        return model
-
-    monkeypatch.setattr(training, "with_lora", lambda model, options: original_lora(hooked(model, "student"), options))
-    monkeypatch.setattr(recovery, "with_lora", training.with_lora)
-    monkeypatch.setattr(recovery, "load_teacher", lambda *a, **k: hooked(original_teacher(*a, **k), "source"))
+    queries = LayerZeroQueries().watch(monkeypatch)
     source = make_llama(tmp_path / "llama", tokenizer)
     converted = tmp_path / "diff"
     assert main(["convert", str(source), str(converted), "--diff-version", "1", "--calibration-tokens", "1024",
@@ -372,11 +359,11 @@ def test_train_and_recover_commands_train_on_cuda_in_mixed_precision(tmp_path, t
               "--gradient-checkpointing"] + (["--lora"] if lora else [])
     assert main(["train", str(converted), "--data", str(tmp_path / "text.txt"), "--output", str(tmp_path / "trained"),
                  *common]) == 0
-    assert seen == [("student", torch.bfloat16, "cuda")] * 4  # 2 steps, each layer again in backward
-    seen.clear()
+    assert queries.of("student") == [(torch.bfloat16, "cuda")] * 4  # 2 steps, each layer again in backward
+    queries.seen.clear()
     assert main(["recover", str(converted), "--output", str(tmp_path / "recovered"), "--generate", "64", *common]) == 0
-    assert [entry for entry in seen if entry[0] == "student"] == [("student", torch.bfloat16, "cuda")] * 4
-    assert [entry for entry in seen if entry[0] == "source"][-2:] == [("source", torch.bfloat16, "cuda")] * 2
+    assert queries.of("student") == [(torch.bfloat16, "cuda")] * 4
+    assert queries.of("source")[-2:] == [(torch.bfloat16, "cuda")] * 2  # beside each step (after sampling the text)
     for folder in ("trained", "recovered"):
         assert load_causal_lm(tmp_path / folder).dtype == torch.float32
         assert main(["generate", str(tmp_path / folder), "The quick", "--raw", "--max-new-tokens", "4"]) == 0  # on CUDA

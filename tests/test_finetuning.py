@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import SAMPLE_TEXT, differential_model, make_llama, tiny_model
+from conftest import SAMPLE_TEXT, LayerZeroQueries, differential_model, make_llama, tiny_model
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
@@ -131,26 +131,16 @@ def test_train_with_autocast_and_gradient_checkpointing(tmp_path, saved_model, m
     """--autocast runs the forward in its dtype (the weights, and so the saved model, stay float32);
     --gradient-checkpointing recomputes each layer in backward. Both train every weight they should, LoRA and λ
     included, and a resume may turn gradient checkpointing on or off, not change the precision."""
-    import diff_llama.training as training
     from diff_llama.resolve import load_causal_lm
 
     (tmp_path / "text.txt").write_text(SAMPLE_TEXT)
-    seen = []  # the dtype of each forward of layer 0's q_proj in training (autograd on)
-    original = training.with_lora
-
-    def with_hooks(model, options):
-        attention = model.model.layers[0].self_attn
-        attention.q_proj.register_forward_hook(
-            lambda module, args, out: seen.append(out.dtype) if torch.is_grad_enabled() else None)
-        return original(model, options)
-
-    monkeypatch.setattr(training, "with_lora", with_hooks)
+    queries = LayerZeroQueries().watch(monkeypatch)
     out = tmp_path / "out"
     common = [str(saved_model), "--data", str(tmp_path / "text.txt"), "--output", str(out), "--block-size", "32",
               "--batch-size", "2", "--save-steps", "2", "--no-monitor", "--learning-rate", "1e-2",
               "--autocast", autocast] + (["--lora"] if lora else [])
     assert main(["train", *common, "--gradient-checkpointing", "--max-steps", "2"]) == 0
-    assert seen == [computes_in] * 4  # 2 steps, each layer run again in backward
+    assert queries.of("student") == [(computes_in, "cpu")] * 4  # 2 steps, each layer run again in backward
     before = AutoModelForCausalLM.from_pretrained(saved_model)
     trained = load_causal_lm(out)  # the adapter merged into its base, for --lora
     assert trained.dtype == torch.float32
@@ -159,9 +149,9 @@ def test_train_with_autocast_and_gradient_checkpointing(tmp_path, saved_model, m
     assert any("lambda" in name for name in changed) and any("q_proj" in name for name in changed)
     assert lora or any("mlp" in name for name in changed)
     # Resumed without gradient checkpointing: fine. In another precision: refused, in one line.
-    seen.clear()
+    queries.seen.clear()
     assert main(["train", *common, "--max-steps", "3", "--resume"]) == 0
-    assert seen == [computes_in]
+    assert queries.of("student") == [(computes_in, "cpu")]
     other = "float16" if autocast == "none" else "none"
     assert main(["train", *[a if a != autocast else other for a in common], "--max-steps", "4", "--resume"]) == 2
 
@@ -449,29 +439,16 @@ def test_recover_command_distils_from_the_source(tmp_path, tokenizer, lora, budg
 def test_recover_with_autocast_runs_the_source_in_it_too(tmp_path, tokenizer, monkeypatch):
     """recover --autocast: the student's forward in bfloat16 (the Trainer's mixed precision) and the source's
     alongside it too, on the student's device; the saved model stays float32."""
-    import diff_llama.recovery as recovery
-
     source = make_llama(tmp_path / "llama", tokenizer)
     converted = tmp_path / "diff"
     assert main(["convert", str(source), str(converted), "--diff-version", "1", "--calibration-tokens", "1024",
                  "--eval-tokens", "1024"]) == 0
-    in_training = []  # the dtype of the source's and the student's layer-0 q_proj while the Trainer runs
-    original_teacher, original_lora = recovery.load_teacher, recovery.with_lora
-
-    def hooked(model, who):
-        model.model.layers[0].self_attn.q_proj.register_forward_hook(
-            lambda module, args, out: in_training.append((who, out.dtype, out.device.type)) if torch.is_grad_enabled()
-            or who == "source" else None)
-        return model
-
-    monkeypatch.setattr(recovery, "load_teacher", lambda *a, **k: hooked(original_teacher(*a, **k), "source"))
-    monkeypatch.setattr(recovery, "with_lora", lambda model, options: original_lora(hooked(model, "student"), options))
+    queries = LayerZeroQueries().watch(monkeypatch)
     out = tmp_path / "recovered"
     assert main(["recover", str(converted), "--output", str(out), "--max-steps", "2", "--block-size", "32",
                  "--batch-size", "2", "--autocast", "bfloat16"]) == 0
-    trained = [entry for entry in in_training if entry[0] == "student"]
-    assert trained == [("student", torch.bfloat16, "cpu")] * 2
-    assert in_training.count(("source", torch.bfloat16, "cpu")) == 2  # alongside each step (not its perplexity)
+    assert queries.of("student") == [(torch.bfloat16, "cpu")] * 2
+    assert queries.of("source").count((torch.bfloat16, "cpu")) == 2  # beside each step (not its perplexity)
     assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.float32
 
 
