@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from diff_llama.compat_diff_llama import cache_kwargs, output_cache
+
 sys.path.insert(0, str(Path(__file__).parent))
 import suite  # noqa: E402
 from model_benchmark import SHAPE, build  # noqa: E402
@@ -45,10 +47,11 @@ def step_ops(model, batch):
     ids = torch.randint(0, model.config.vocab_size, (batch, 128), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = model(ids, use_cache=True)
-        cache, token = out.cache, out.logits[:, -1:].argmax(-1)
-        model(token, cache=cache, use_cache=True)  # warm
+        # The cache's name differs between transformers versions (`cache` from 5.2x, `past_key_values` before).
+        cache, token = cache_kwargs(output_cache(out)), out.logits[:, -1:].argmax(-1)
+        model(token, **cache, use_cache=True)  # warm
         with torch.profiler.profile() as profile:
-            model(token, cache=cache, use_cache=True)
+            model(token, **cache, use_cache=True)
     return collections.Counter(event.name for event in profile.events() if event.name.startswith("aten::"))
 
 
@@ -69,7 +72,7 @@ class FoldedQueryLambdaForward:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         attention, batch_and_tokens = self.attention, hidden_states.shape[:-1]
-        kwargs.pop("past_key_values", None)
+        cache = kwargs.pop("past_key_values", None) if cache is None else cache  # its name before transformers 5.2x
         projected = F.linear(hidden_states, self.weight)
         query = projected[..., : self.query_width].view(*batch_and_tokens, -1, attention.head_dim).transpose(1, 2)
         lambdas = torch.sigmoid(projected[..., self.query_width :])
@@ -128,14 +131,14 @@ def attention_timing(batch, dtype) -> dict:
     for name in ("llama", "diff-llama"):
         model = build(name, dtype)
         with torch.no_grad():
-            cache = model(ids, use_cache=True).cache
+            cache = output_cache(model(ids, use_cache=True))
             attention = model.model.layers[0].self_attn
             hidden = torch.randn(batch, 1, model.config.hidden_size, dtype=dtype)
             position = model.model.rotary_emb(hidden, torch.full((batch, 1), 192))
 
             def steps(count=200):
                 for _ in range(count):
-                    attention(hidden, position, None, cache=cache)
+                    attention(hidden, position, None, **cache_kwargs(cache))
                 cache.crop(-count)
 
             steps()
