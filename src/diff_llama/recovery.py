@@ -169,7 +169,7 @@ def resumed_monitor_state(checkpoint: str | Path, options: RecoveryOptions) -> d
     state = json.loads(state_file.read_text())
     spent = state["train_seconds"] / 60
     if options.by_time and spent >= options.minutes:
-        raise UserError(f"{checkpoint} is {spent:.1f} minutes into its run's training, and --minutes "
+        raise UserError(f"{checkpoint} is {spent:.3g} minutes into its run's training, and --minutes "
                         f"{options.minutes:g} is the whole run's budget; give a larger --minutes to train on.")
     return state
 
