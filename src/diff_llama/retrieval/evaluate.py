@@ -200,7 +200,7 @@ def evaluate_models(models: list[str], options: RetrievalArguments, overwrite: b
         scored = scored or []
         try:
             for source, name in zip(models, names):
-                model, tokenizer = load_model(source, options.dtype, options.device)
+                model, tokenizer = load_model(source, options.dtype, device)
                 warn_past_context(model, options.lengths, name)
                 entry = evaluate_model(model, tokenizer, options, name, progress_file=progress_file, scored=scored)
                 scored = scored[len(entry["cases"]):]

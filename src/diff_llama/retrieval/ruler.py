@@ -209,13 +209,14 @@ def ruler_models(models: list[str], options: RulerOptions, overwrite: bool = Fal
         contents = read_case_file(case_path) if case_path.exists() else _case_contents(models, options)
         if not case_path.exists():
             write_case_file(contents, case_path)
-        report = {"options": run["options"], "device": device, "cases": {k: v for k, v in contents.items() if k != "cases"}, "models": []}
+        report = {"options": run["options"], "device": device,
+                  "cases": {k: v for k, v in contents.items() if k != "cases"}, "models": []}
         if options.cases_only:
             return report
         progress_file, scored = folder / "cases.jsonl", scored or []
         try:
             for source, name in zip(models, names):
-                model, tokenizer = load_model(source, options.dtype, options.device)
+                model, tokenizer = load_model(source, options.dtype, device)
                 warn_past_context(model, contents["lengths"], name)
                 entry = score_model(model, tokenizer, contents["cases"], options, name, progress_file, scored)
                 scored = scored[len(entry["cases"]):]
