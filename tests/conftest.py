@@ -57,6 +57,18 @@ LAYOUTS = [(6, 3), (6, 1), (2, 1), (8, 4), (8, 1), (6, 6), (12, 3), (10, 2)]
 # DIFF V2 (G divides H/2): H/2 odd (the SmolLM2 conversion has H/2 = 9), G = 1, G = H/2, several groups.
 V2_LAYOUTS = [(6, 3), (6, 1), (2, 1), (8, 4), (8, 2), (18, 3), (12, 2)]
 
+# What the oldest declared torch (2.6) lacks that transformers' own Llama needs too, probed with a plain
+# LlamaForCausalLM under transformers 5.16.1: torch.compile with fullgraph (2.6 fails a compiled forward and compiled
+# static-cache generate, 2.7 the forward; 2.8 neither), and tensor parallelism and FSDP2 (transformers asks for 2.7).
+from transformers.utils import is_torch_greater_or_equal  # noqa: E402
+
+needs_fullgraph_compile = pytest.mark.skipif(
+    not is_torch_greater_or_equal("2.8", accept_dev=True),
+    reason="transformers' own Llama does not compile with fullgraph before torch 2.8")
+needs_torch_distributed_of_transformers = pytest.mark.skipif(
+    not is_torch_greater_or_equal("2.7", accept_dev=True),
+    reason="tensor parallelism and FSDP2 need torch 2.7, as transformers' own do")
+
 
 def randomise_lambdas(model, seed=3):
     """Non-trivial version 1 λ vectors, so that λ differs from λ_init and from layer to layer."""

@@ -15,6 +15,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import cuda_benchmark  # noqa: E402
 import suite  # noqa: E402
+from conftest import needs_fullgraph_compile  # noqa: E402
 
 SCRIPT = REPO / "scripts" / "run_cuda_checks.sh"
 EAGER_ROWS = ("train step (ms)", "prefill (ms)", "decode b1 eager (tokens/s)", "decode b2 eager (tokens/s)")
@@ -47,6 +48,7 @@ def table_rows(text: str, shape: str = "tiny") -> dict:
     return rows
 
 
+@needs_fullgraph_compile
 def test_the_dry_run_measures_every_figure_of_every_model_and_ends_with_the_table(dry_run):
     result, out = dry_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -69,6 +71,7 @@ def test_the_dry_run_measures_every_figure_of_every_model_and_ends_with_the_tabl
     assert "(exit 0)" in memory and "| version 1, generic |" in memory and "| diff v2 |" in memory
 
 
+@needs_fullgraph_compile
 def test_the_dry_runs_json_has_the_suites_metadata_and_one_compilation_per_compiled_step(dry_run):
     result, out = dry_run
     saved = json.loads((out / "cuda.json").read_text())
@@ -187,6 +190,7 @@ def test_the_memory_probe_measures_each_paired_kernel_on_its_own_device_and_rend
     assert "| diff v2 | 2.00 | 2.000x | 2.00 | 6.00 | 1.500x |" in saved_for_backward.render(result)
 
 
+@needs_fullgraph_compile
 def test_eager_decoding_stops_at_its_rounds_and_the_graphs_targets_give_the_bound(tmp_path):
     """Eager decoding takes `eager_rounds` samples while the graphs figures take every round; the graphs targets read
     DIFF V2 against llama beside its bound, llama 2x heads."""

@@ -7,6 +7,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from model_benchmark import round_ratio_range  # noqa: E402
 
+from conftest import needs_fullgraph_compile  # noqa: E402
+
 
 def test_round_ratio_range_pairs_the_rounds():
     samples = {"prefill (ms)": {"a": [2.0, 4.0, 3.0], "b": [1.0, 5.0, 3.0]}}
@@ -40,6 +42,7 @@ def test_the_fold_probe_computes_diff_v2_and_counts_fewer_ops():
         assert sum(step_ops(model, 1).values()) < shipped_ops
 
 
+@needs_fullgraph_compile
 def test_the_compiled_kernel_count_reads_inductors_code():
     """decode_ops --kernels counts what inductor generated for a decoding step (seconds of C++ compilation): a Llama
     with twice the query heads runs the same kernels, DIFF V2 one more matrix product a layer (λ's), and every model

@@ -16,9 +16,11 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from transformers import StaticCache
 
-from conftest import differential_model
+from conftest import differential_model, needs_fullgraph_compile
 from diff_llama.differential_kernels import _MATCHING_KERNELS
 from diff_llama.compat_diff_llama import CACHE_NAME
+
+pytestmark = needs_fullgraph_compile
 
 PROMPT, STEPS, BATCH = 5, 24, 2
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import diff_llama
-from conftest import SAMPLE_TEXT, tiny_model
+from conftest import SAMPLE_TEXT, needs_torch_distributed_of_transformers, tiny_model
 from diff_llama import DiffLlamaForCausalLM
 
 ROOT = Path(__file__).parent.parent
@@ -74,6 +74,7 @@ def test_accelerate_launch_fsdp_without_accelerator_is_refused(tmp_path, tokeniz
     assert not (tmp_path / "out").exists()
 
 
+@needs_torch_distributed_of_transformers
 def test_fsdp2_on_cpu_matches_single_process_training_and_saves_a_loadable_folder(tmp_path, tokenizer):
     # transformers' own FSDP2 (`from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2))`) runs on CPU
     # with gloo, where accelerate's FSDP config does not (see above).

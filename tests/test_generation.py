@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import CompileConfig, DynamicCache, pipeline
 
-from conftest import differential_model, random_batch, tiny_model
+from conftest import differential_model, needs_fullgraph_compile, random_batch, tiny_model
 from reference import checkpoint_state_dict, reference_forward
 
 
@@ -72,6 +72,7 @@ def test_static_cache_matches_dynamic_cache(version):
     assert static.tolist() == dynamic.tolist()
 
 
+@needs_fullgraph_compile
 @pytest.mark.parametrize("version", [1, 2])
 def test_compiled_static_cache_generation_and_compiled_forward_match_eager(version):
     model = differential_model(version, torch.float32, layers=2)

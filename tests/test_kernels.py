@@ -128,24 +128,25 @@ def cuda_flash_ops_on_the_cpu():
     with its CPU flash ops: the same maths and (batch, heads, seq, d) layout, dummies for the extra outputs only the
     CUDA op has. A stand-in for the unreachable GPU, so that `CausalPairedAttentionCUDA`'s own work (padding, the
     pairs, the gradients of the d-wide tensors) is checked here; tests/test_cuda.py runs the real op. Like
-    FlashAttention, the stand-in takes grouped key/value heads (each serving a group of query heads)."""
+    FlashAttention, the stand-in takes grouped key/value heads (each serving a group of query heads); it calls the CPU
+    op as `paired_sdpa_cpu` does, which repeats them for a torch whose CPU op cannot read them."""
 
     key_heads = []  # what each call was handed: the kernel must not copy keys and values out to every query head
 
     def forward(query, key, value, dropout_p, is_causal, return_debug_mask, *, scale=None):
         assert key.shape[1] == value.shape[1] and query.shape[1] % key.shape[1] == 0 and not return_debug_mask
+        assert dropout_p == 0 and is_causal
         key_heads.append(key.shape[1])
-        output, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, dropout_p, is_causal, scale=scale)
+        output, (logsumexp,), _ = kernels._CPUFlash.forward(query, key, value, scale)
         empty = query.new_empty(0)
         return output, logsumexp, empty, empty, query.shape[2], key.shape[2], empty, empty, empty
 
     def backward(grad_output, query, key, value, output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
                  is_causal, philox_seed, philox_offset, *, scale=None):
         assert query.shape[1] % key.shape[1] == 0 and (max_q, max_k) == (query.shape[2], key.shape[2])
+        assert dropout_p == 0 and is_causal
         key_heads.append(key.shape[1])
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_output, query, key, value, output, logsumexp, dropout_p, is_causal, scale=scale)
+        return kernels._CPUFlash.backward(grad_output, query, key, value, output, (logsumexp,), (), scale)
 
     with mock.patch.object(torch.ops.aten, "_scaled_dot_product_flash_attention", forward), \
             mock.patch.object(torch.ops.aten, "_scaled_dot_product_flash_attention_backward", backward):
@@ -174,6 +175,39 @@ def test_paired_cuda_kernel_matches_reference_forward_and_gradients(heads, kv_he
     # op gets the grouped key/value heads as they are (both forwards above, one backward).
     assert [tensor.shape for tensor in pairs.grad_fn.saved_tensors[:3]] == [query.shape, key.shape, value.shape]
     assert key_heads == [key.shape[1]] * 3
+
+
+@pytest.mark.oldest_transformers  # and the oldest torch: its CPU flash op and saved-tensor hooks differ
+@pytest.mark.parametrize("heads,kv_heads", LAYOUTS)
+@pytest.mark.parametrize("reads_grouped_heads", sorted({kernels.CPU_FLASH_READS_GROUPED_HEADS, False}))
+def test_paired_cpu_kernel_matches_reference_forward_and_gradients(heads, kv_heads, reads_grouped_heads):
+    """Version 1's CPU training kernel (the CPU flash op on the padded layout): forward and the gradients of q, k, v
+    and λ are the float64 reference's. Also as on torch before 2.9, whose CPU flash op cannot read grouped keys and
+    values (it reads past them): there they go to it repeated to every query head, and their gradients are summed
+    back (forced here on any torch)."""
+    query, key, value, lam = kernel_inputs(heads, kv_heads, 13, 13)
+    allowed = torch.ones(13, 13, dtype=torch.bool).tril()[None].expand(2, -1, -1)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    key_heads = []
+
+    def recorded_flash(query, key, value, *args, **kwargs):
+        key_heads.append((key.shape[1], value.shape[1]))
+        return flash(query, key, value, *args, **kwargs)
+
+    with mock.patch.object(kernels, "CPU_FLASH_READS_GROUPED_HEADS", reads_grouped_heads), \
+            mock.patch.object(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", recorded_flash):
+        output, weights = ALL_DIFFERENTIAL_KERNELS["paired_sdpa_cpu"](mock.Mock(scaling=8**-0.5), query, key,
+                                                                     value, None, lam)
+        weights_out = torch.randn(output.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        got = torch.autograd.grad((output * weights_out).sum(), (query, key, value, lam))
+    expected = per_head_differential(query, key, value, lam, allowed)
+    assert weights is None
+    torch.testing.assert_close(output, expected, rtol=0, atol=1e-12)
+    want = torch.autograd.grad((expected * weights_out).sum(), (query, key, value, lam))
+    for name, a, b in zip("qkvλ", got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=name)
+    handed = key.shape[1] if reads_grouped_heads else heads
+    assert key_heads == [(handed, handed)]
 
 
 def test_paired_cuda_kernel_is_chosen_only_where_flash_attention_runs():
@@ -519,19 +553,25 @@ def test_rebuilding_for_backward_changes_no_bf16_gradient(kernel):
 
 
 
+@pytest.mark.oldest_transformers  # and the oldest torch: its CPU flash op and saved-tensor hooks differ
 def test_rebuilding_leaves_every_tensor_to_an_outer_saved_tensor_policy():
     """Under non-reentrant activation checkpointing (transformers' default) or CPU offloading, their hooks decide for
-    every saved tensor: inner hooks would take over from them. So the outer hooks see the padded queries too, and
-    checkpointed gradients equal the plain ones, in either checkpointing mode."""
+    every saved tensor: inner hooks would take over from them. So rebuilding packs nothing there (the outer hooks see
+    every tensor), and checkpointed gradients equal the plain ones, in either checkpointing mode."""
     model = tiny_model(torch.float64, num_attention_heads=8, num_key_value_heads=2)
     randomise_lambdas(model)
     model.set_attn_implementation("sdpa")
     model.set_differential_kernel("generic")
     input_ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
-    seen = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(tuple(t.shape)) or t, lambda t: t):
+    seen, packed = [], []
+    pack = kernels.RebuiltForBackward._pack
+    recording = lambda self, tensor: packed.append(tensor.shape) or pack(self, tensor)  # noqa: E731
+    with mock.patch.object(kernels.RebuiltForBackward, "_pack", recording):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(tuple(t.shape)) or t, lambda t: t):
+            model.train().model(input_ids)
+        assert seen and not packed
         model.train().model(input_ids)
-    assert (2, 8, 12, 2 * model.config.head_dim) in seen  # the padded queries, handed to the outer hooks
+        assert packed  # without another policy, rebuilding packs what it keeps
 
     model(input_ids, labels=input_ids).loss.backward()
     plain = {name: param.grad.clone() for name, param in model.named_parameters()}
@@ -542,6 +582,37 @@ def test_rebuilding_leaves_every_tensor_to_an_outer_saved_tensor_policy():
         model(input_ids, labels=input_ids).loss.backward()
         for name, grad in plain.items():
             torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-12, atol=1e-14, msg=name)
+
+
+@pytest.mark.oldest_transformers  # and the oldest torch: its CPU flash op and saved-tensor hooks differ
+@pytest.mark.parametrize("asks_torch", [True, False], ids=["torch 2.8+", "before torch 2.8"])
+def test_another_saved_tensor_policy_is_seen_on_every_torch(monkeypatch, asks_torch):
+    """Rebuilding steps aside for another saved-tensor policy. torch 2.8 has a private function that names the hooks
+    in force; before, a saved tensor is probed (forced here on any torch)."""
+    from torch.utils.checkpoint import checkpoint
+
+    if not asks_torch:
+        monkeypatch.delattr(torch._C._autograd, "_top_saved_tensors_default_hooks", raising=False)
+    seen = []
+
+    def function(tensor):
+        seen.append(kernels._saved_tensor_hooks_active())
+        return tensor * 2
+
+    assert not kernels._saved_tensor_hooks_active()
+    with torch.autograd.graph.saved_tensors_hooks(_unchanged_tensor, _unchanged_tensor):
+        assert kernels._saved_tensor_hooks_active()
+    with torch.autograd.graph.save_on_cpu():
+        assert kernels._saved_tensor_hooks_active()
+    checkpoint(function, torch.ones(2, requires_grad=True), use_reentrant=False)
+    assert seen[0] is True
+    assert not kernels._saved_tensor_hooks_active()
+    with kernels.RebuiltForBackward() as rebuilt:
+        assert rebuilt._hooks is not None  # no other policy: rebuilding is on
+
+
+def _unchanged_tensor(tensor):
+    return tensor
 
 
 def test_a_rebuilt_tensor_is_rebuilt_once_per_backward_however_often_it_is_saved():

@@ -369,3 +369,18 @@ def test_a_device_is_checked_before_anything_loads(tmp_path, capsys, monkeypatch
         assert capsys.readouterr().err.strip().endswith("error: --device gpu is not a device: give auto, cpu, cuda, "
                                                         "cuda:1, ...")
         assert not out.exists()
+
+
+def test_a_transformers_that_cannot_read_ggufs_version_is_named_with_the_fix(tmp_path, capsys, monkeypatch):
+    """transformers before 5.23 on Python 3.10 fails on gguf's version "N/A" (its wheels lack top_level.txt); the
+    command says which upgrade reads it. Mocked: this venv's transformers reads it (the real failure was seen with
+    transformers 5.16.1 on Python 3.10)."""
+    pytest.importorskip("gguf")
+    from packaging import version
+    from transformers.utils import import_utils
+
+    monkeypatch.setattr(import_utils, "is_gguf_available", lambda: version.parse("N/A") >= version.parse("0.10.0"))
+    for command in (["generate", "smollm2", "Hi"], ["convert", "smollm2", str(tmp_path / "out")]):
+        err = _fails_in_one_line(capsys, command)
+        assert "cannot read the installed gguf's version" in err and 'pip install -U "transformers>=5.23"' in err, err
+    assert not (tmp_path / "out").exists()

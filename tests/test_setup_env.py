@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
     (["test"], "give the virtual environment and the extras first"),
     (["--transformers", "5.16.1", "VENV", "test"], "give the virtual environment and the extras first"),
     (["VENV", "test", "--with"], "--with needs a value"),
+    (["VENV", "test", "--torch"], "--torch needs a value"),
     (["VENV", "test", "--transformers", "--remove", "x"], "--transformers needs a value"),
     (["VENV", "test", "--pin", "x"], "unknown option '--pin'"),
 ])

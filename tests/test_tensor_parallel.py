@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import diff_llama
-from conftest import tiny_config
+from conftest import needs_torch_distributed_of_transformers, tiny_config
 from diff_llama import DiffLlamaForCausalLM
 from diff_llama.tensor_parallel_diff_llama import tensor_parallel_layout
 
@@ -84,6 +84,7 @@ def _check(folder, references, results, name):
             torch.testing.assert_close(step["gradients"][param_name], gradient, atol=1e-5, rtol=0, msg=param_name)
 
 
+@needs_torch_distributed_of_transformers
 def test_tensor_parallel_matches_unsharded_for_every_layout(tmp_path):
     references = _save_models(tmp_path, LAYOUTS)
     results = _run_torchrun(tmp_path, LAYOUTS)
@@ -98,6 +99,7 @@ def test_tensor_parallel_matches_unsharded_for_every_layout(tmp_path):
         assert "Use a TP size in [1, 3]" in error
 
 
+@needs_torch_distributed_of_transformers
 def test_tensor_parallel_as_remote_code(tmp_path):
     names = ["v1_odd_g3", "v2_g2"]
     references = _save_models(tmp_path, names)

@@ -24,7 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers.models.llama.modeling_llama import repeat_kv
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs
+from transformers.utils import TransformersKwargs, is_torch_greater_or_equal
 from transformers.utils.generic import GeneralInterface
 
 
@@ -148,10 +148,26 @@ def _value_pairs(value):
 
 
 def _saved_tensor_hooks_active() -> bool:
-    """Whether saved-tensor hooks are in force here (torch.utils.checkpoint asks the same private function); unknown
-    counts as yes."""
+    """Whether saved-tensor hooks are in force here: torch's private function from 2.8 on (torch.utils.checkpoint asks
+    it too); before, whether a saved tensor was packed by them. Unknown counts as yes."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is None or top(False) is not None
+    return top(False) is not None if top is not None else _a_saved_tensor_is_packed()
+
+
+def _unchanged(tensor):
+    return tensor
+
+
+def _a_saved_tensor_is_packed() -> bool:
+    """A product saves its input; a saved tensor takes hooks of its own only when no default hooks packed it."""
+    with torch.enable_grad():
+        probe = torch.zeros((), requires_grad=True)
+        product = probe * probe
+    try:
+        product.grad_fn._raw_saved_self.register_hooks(_unchanged, _unchanged)
+    except (AttributeError, RuntimeError):
+        return True
+    return False
 
 
 class RebuiltForBackward:
@@ -236,21 +252,42 @@ def _has_cuda_flash_attention() -> bool:
     )
 
 
+# The CPU flash kernel reads grouped keys and values (fewer heads than the queries) from torch 2.9 on
+# (pytorch/pytorch#157893). Before, it takes them without complaint and reads past them: garbage in forward, a crash
+# in backward. There they go to it repeated to every query head, and their gradients are summed back.
+CPU_FLASH_READS_GROUPED_HEADS = is_torch_greater_or_equal("2.9", accept_dev=True)
+
+
+def _cpu_flash_heads(query, states):
+    if CPU_FLASH_READS_GROUPED_HEADS or states.shape[1] == query.shape[1]:
+        return states
+    return states.repeat_interleave(query.shape[1] // states.shape[1], dim=1)  # repeat_kv's order
+
+
+def _summed_to_heads(gradient, heads):
+    if gradient.shape[1] == heads:
+        return gradient
+    batch, _, seq, width = gradient.shape
+    return gradient.view(batch, heads, -1, seq, width).sum(2)
+
+
 class _CPUFlash:
     """The CPU flash kernel's private entry points: (output, tensors backward needs, other values backward needs)."""
 
     @staticmethod
     def forward(query, key, value, scaling):
         output, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, True, scale=scaling
+            query, _cpu_flash_heads(query, key), _cpu_flash_heads(query, value), 0.0, True, scale=scaling
         )
         return output, (logsumexp,), ()
 
     @staticmethod
     def backward(grad_output, query, key, value, output, saved, constants, scaling):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_output, query, key, value, output, *saved, 0.0, True, scale=scaling
+        grad_query, grad_key, grad_value = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_output, query, _cpu_flash_heads(query, key), _cpu_flash_heads(query, value), output, *saved, 0.0,
+            True, scale=scaling,
         )
+        return grad_query, _summed_to_heads(grad_key, key.shape[1]), _summed_to_heads(grad_value, value.shape[1])
 
 
 class _CUDAFlash:

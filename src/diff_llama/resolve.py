@@ -145,6 +145,21 @@ def require_gguf() -> None:
     if importlib.util.find_spec("gguf") is None:
         raise ModelNotFoundError("reading .gguf files needs the gguf package: pip install \"diff-llama[gguf]\" "
                                  "(or pip install gguf).")
+    import sys
+
+    import transformers
+    from transformers.utils.import_utils import is_gguf_available
+
+    try:
+        is_gguf_available()
+    except ValueError as error:  # packaging's InvalidVersion
+        # Before 5.23, transformers finds gguf's version through top_level.txt, which gguf's wheels lack; only
+        # Python 3.11's importlib finds it without one. transformers then fails on the version "N/A".
+        raise ModelNotFoundError(
+            f"transformers {transformers.__version__} cannot read the installed gguf's version on Python "
+            f"{sys.version_info.major}.{sys.version_info.minor} ({error}): pip install -U \"transformers>=5.23\", or "
+            "use Python 3.11 or newer."
+        ) from None
 
 
 def _one_line(error: Exception) -> str:
