@@ -2,13 +2,16 @@
 recovery by distillation, and multi-process training."""
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+import transformers
 from conftest import SAMPLE_TEXT, LayerZeroQueries, differential_model, make_llama, tiny_model
+from packaging import version
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
@@ -334,7 +337,8 @@ def test_a_lora_run_loads_wherever_a_model_does(tmp_path, saved_model, capsys, m
         base = AutoModelForCausalLM.from_pretrained(saved_model)(ids).logits
         native = AutoModelForCausalLM.from_pretrained(adapter)(ids).logits  # transformers' own adapter loading
     torch.testing.assert_close(loaded, merged, rtol=0, atol=1e-4)
-    torch.testing.assert_close(loaded, native, rtol=0, atol=1e-4)
+    if version.parse(transformers.__version__) >= version.parse("5.18"):  # 5.16, 5.17: LoRA loaded but not λ
+        torch.testing.assert_close(loaded, native, rtol=0, atol=1e-4)
     assert (loaded - base).abs().max() > 1e-2  # what training changed is there
     assert load_config(adapter).to_dict() == load_config(saved_model).to_dict()
     assert load_tokenizer(adapter)("The quick").input_ids == load_tokenizer(saved_model)("The quick").input_ids
@@ -468,19 +472,30 @@ def test_recover_resume_continues_the_curve_and_the_time_budget(tmp_path, tokeni
     first = json.loads((out / "recovery_report.json").read_text())
     (checkpoint,) = out.glob("checkpoint-*")
     kept = json.loads((checkpoint / MONITOR_STATE).read_text())
-    assert kept["curve"] == first["curve"] and kept["train_seconds"] >= 0.6 and len(first["curve"]) >= 3
+    # At least the start and the end (more where steps are fast: the probe is due every 0.12 s)
+    assert kept["curve"] == first["curve"] and kept["train_seconds"] >= 0.6 and len(first["curve"]) >= 2
     capsys.readouterr()
     assert main([*args, "--minutes", "0.01", "--resume"]) == 2
     assert "minutes into its run's training, and --minutes 0.01 is the whole run's budget; give a larger --minutes" in (
         capsys.readouterr().err)
-    assert main([*args, "--minutes", "0.02", "--resume"]) == 0
+    # What the resumed run's monitor starts from: the kept curve and clock, so its budget is what is left of the run's.
+    from diff_llama.recovery import RecoveryMonitor
+
+    monitor = RecoveryMonitor(torch.zeros(1, 8, dtype=torch.long), eval_minutes=0.002, max_minutes=0.01)
+    monitor.resume(kept)
+    assert monitor.curve == first["curve"] and monitor.train_seconds == kept["train_seconds"] and monitor.out_of_time
+    # 0.01 minutes more than the first run spent (a step can take longer than its budget on a loaded machine)
+    spent = kept["train_seconds"] / 60
+    budget = math.ceil((spent + 0.01) * 1e4) / 1e4
+    assert main([*args, "--minutes", str(budget), "--resume"]) == 0
     resumed = json.loads((out / "recovery_report.json").read_text())
     assert resumed["curve"][:len(first["curve"])] == first["curve"]  # the curve goes on from where it was
     assert len(resumed["curve"]) > len(first["curve"]) and resumed["steps"] > first["steps"]
     minutes = [point["train_minutes"] for point in resumed["curve"]]
     steps = [point["step"] for point in resumed["curve"]]
     assert minutes == sorted(minutes) and steps == sorted(steps) and steps[0] == 0
-    assert 0.02 <= minutes[-1] < 0.03  # the budget of the whole run, not 0.02 more minutes
+    # The budget of the whole run: a clock started again would have run to spent + budget.
+    assert budget <= minutes[-1] < spent + budget
 
 
 def test_recover_on_text_the_source_generates(tmp_path, tokenizer):
@@ -495,7 +510,8 @@ def test_recover_on_text_the_source_generates(tmp_path, tokenizer):
     assert text == teacher_generated_text(teacher, tokenizer, num_tokens=64, length=16, batch_size=2)
     samples = text.split("\n\n")
     assert len(samples) == 4 and len(set(samples)) == 4
-    assert 8 <= len(tokenizer(samples[0], add_special_tokens=False).input_ids) <= 32  # 16 tokens, re-tokenized
+    # 16 tokens, re-tokenized: a byte token that is not UTF-8 on its own comes back as U+FFFD, three bytes
+    assert 8 <= len(tokenizer(samples[0], add_special_tokens=False).input_ids) <= 3 * 16
 
 
 DDP_SCRIPT = textwrap.dedent("""
