@@ -167,6 +167,7 @@ def test_license_file_is_apache_2_and_ships_in_sdist_and_wheel(tmp_path):
     with tarfile.open(tmp_path / sdist) as archive:
         assert any(name.endswith("/LICENSE") and name.count("/") == 1 for name in archive.getnames())
     names = zipfile.ZipFile(tmp_path / wheel).namelist()
-    assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names)
+    # newer setuptools file it under licenses/ (PEP 639); older ones, which pyproject.toml allows, beside METADATA
+    assert any(name.endswith((".dist-info/licenses/LICENSE", ".dist-info/LICENSE")) for name in names)
     metadata = zipfile.ZipFile(tmp_path / wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA")))
     assert b"License-File: LICENSE" in metadata
