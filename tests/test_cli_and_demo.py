@@ -333,6 +333,10 @@ def test_attention_map_command_writes_pngs(tmp_path, tokenizer, capsys):
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000 for p in pngs)
     err = _fails_in_one_line(capsys, ["attention-map", str(tmp_path / "m"), "--text", "x", "--layer", "7"])
     assert "--layer must be between 0 and 2" in err
+    # --device auto (the default) draws on the accelerator where there is one (tests/test_cuda.py), or as chosen
+    assert main(["attention-map", str(tmp_path / "m"), "--text", "The quick brown fox", "--layer", "1", "--head", "0",
+                 "--output", str(tmp_path / "on-cpu"), "--device", "cpu"]) == 0
+    assert (tmp_path / "on-cpu" / "layer1-head0.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_attention_map_of_a_plain_llama_draws_its_softmax_maps(tmp_path, tokenizer, capsys):

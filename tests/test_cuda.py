@@ -369,6 +369,28 @@ def test_train_and_recover_commands_train_on_cuda_in_mixed_precision(tmp_path, t
         assert main(["generate", str(tmp_path / folder), "The quick", "--raw", "--max-new-tokens", "4"]) == 0  # on CUDA
 
 
+@pytest.mark.parametrize("diff_version", [1, 2])
+def test_attention_map_draws_on_the_gpu_the_maps_of_the_cpu(tmp_path, tokenizer, diff_version):
+    """`attention-map` computes on the GPU by default (--device auto); its maps, λ included, are the CPU's."""
+    from conftest import tiny_model
+    from diff_llama.attention_maps import attention_maps
+    from diff_llama.cli import main
+
+    model = tiny_model(vocab_size=len(tokenizer), num_attention_heads=4, num_key_value_heads=2,
+                       diff_version=diff_version)
+    on_cpu = attention_maps(model, tokenizer, "The quick brown fox", layer=1)
+    on_gpu = attention_maps(model.to(DEVICE), tokenizer, "The quick brown fox", layer=1)
+    assert on_gpu[4] == on_cpu[4]
+    for got, want in zip(on_gpu[:4], on_cpu[:4]):
+        assert got.device.type == "cpu"
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    model.cpu().save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    assert main(["attention-map", str(tmp_path / "m"), "--text", "The quick brown fox", "--layer", "1",
+                 "--output", str(tmp_path / "maps")]) == 0
+    assert len(list((tmp_path / "maps").glob("*.png"))) == 2
+
+
 def test_autocast_keeps_diff_v2_lambda_and_the_subtraction_in_float32_on_cuda():
     """CUDA's autocast lists are not the CPU's: the same check there (tests/test_diff_v2.py)."""
     from test_diff_v2 import autocast_keeps_lambda_and_the_subtraction_in_float32

@@ -363,7 +363,8 @@ def test_a_device_is_checked_before_anything_loads(tmp_path, capsys, monkeypatch
     monkeypatch.delattr(torch, "accelerator")
     assert accelerator() == (torch.device("cuda") if torch.cuda.is_available() else None)
     monkeypatch.undo()
-    for command in (["evaluate", "smollm2"], ["ruler", "smollm2"]):
+    for command in (["evaluate", "smollm2"], ["ruler", "smollm2"], ["attention-map", "smollm2", "--text", "Hi",
+                                                                     "--layer", "0"]):
         out = tmp_path / command[0]
         assert main([*command, "--output", str(out), "--device", "gpu"]) == 2
         assert capsys.readouterr().err.strip().endswith("error: --device gpu is not a device: give auto, cpu, cuda, "

@@ -13,18 +13,21 @@ from .plotting import pyplot, save_png
 def attention_maps(model, tokenizer, text: str, layer: int):
     """One layer's maps for `text`: A1 and A2 of every differential head (each (H/2, q, k)), λ (version 1: a scalar;
     DIFF V2: (q, H/2), per token and head), the differential maps (H/2, q, k), and the tokens. For a model without
-    differential attention (no `differential_maps`): its softmax maps (H, q, k), None, None, None, the tokens."""
+    differential attention (no `differential_maps`): its softmax maps (H, q, k), None, None, None, the tokens. Computed
+    on the model's device, returned in float32 on the CPU (for plotting)."""
     if not 0 <= layer < model.config.num_hidden_layers:
         raise UserError(f"--layer must be between 0 and {model.config.num_hidden_layers - 1}, got {layer}.")
     model.set_attn_implementation("eager")  # only eager attention returns the softmax maps
-    inputs = tokenizer(text, return_tensors="pt")
+    inputs = tokenizer(text, return_tensors="pt").to(model.device)
     out = model(**inputs, output_attentions=True, output_hidden_states=True)
     tokens = tokenizer.convert_ids_to_tokens(inputs["input_ids"][0])
     if not hasattr(model, "differential_maps"):
-        return out.attentions[layer][0].float(), None, None, None, tokens
+        return out.attentions[layer][0].float().cpu(), None, None, None, tokens
     first, second = model.model.layers[layer].self_attn.pair_maps(out.attentions[layer].float())
     lam = model.differential_lambdas(out)[layer].float()
-    return first[0], second[0], (lam if lam.dim() == 0 else lam[0]), model.differential_maps(out)[layer][0], tokens
+    differential = model.differential_maps(out)[layer][0]
+    return (first[0].cpu(), second[0].cpu(), (lam if lam.dim() == 0 else lam[0]).cpu(), differential.float().cpu(),
+            tokens)
 
 
 def plot_head(first, second, lam, differential, tokens, head: int, layer: int, output: str | Path, source_maps=None):

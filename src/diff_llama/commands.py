@@ -67,8 +67,9 @@ def generate(model, prompt, options: o.GenerateOptions) -> int:
 def attention_map(model, options: o.AttentionMapOptions) -> int:
     from .attention_maps import attention_maps, plot_head
     from .output_folder import holds_files, make_folder, write_marker
-    from .resolve import load_causal_lm, load_config, load_tokenizer
+    from .resolve import load_causal_lm, load_config, load_tokenizer, resolve_device
 
+    device = resolve_device(options.device)
     config = load_config(model)  # layer and head are checked before any weight is read
     differential = config.model_type in ("diff_llama", "diffllama")
     heads = config.num_attention_heads // 2 if differential else config.num_attention_heads
@@ -83,11 +84,11 @@ def attention_map(model, options: o.AttentionMapOptions) -> int:
     check_map_folder(output, [path for path in paths if path.exists()], options.overwrite,
                      inputs=[model, options.source])
     tokenizer = load_tokenizer(model)
-    lm = load_causal_lm(model, attn_implementation="eager")
+    lm = load_causal_lm(model, attn_implementation="eager").to(device)
     first, second, lam, differential, tokens = attention_maps(lm, tokenizer, options.text, options.layer)
     source_maps = None
     if options.source:
-        source = load_causal_lm(options.source, attn_implementation="eager")
+        source = load_causal_lm(options.source, attn_implementation="eager").to(device)
         source_maps = attention_maps(source, tokenizer, options.text, options.layer)[0]
     if not holds_files(output):  # a folder of maps alone: a later --overwrite may replace them
         make_folder(output)

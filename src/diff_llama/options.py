@@ -220,6 +220,8 @@ class AttentionMapOptions:
     output: str = field(default="outputs/attention-maps", metadata={"help": "folder for the PNGs"})
     overwrite: bool = field(default=False, metadata={"help": (
         "replace PNGs of this layer already in --output (a folder of maps diff-llama wrote)")})
+    device: str = field(default="auto", metadata={
+        "help": "auto (the GPU or other accelerator where there is one, else the CPU), cpu, cuda, cuda:1, ..."})
 
     def __post_init__(self):
         if not self.text.strip():
