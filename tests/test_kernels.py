@@ -122,6 +122,21 @@ def test_blocked_kernel_matches_reference_forward_and_gradients(heads, kv_heads,
         torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=name)
 
 
+def causal_kernel_matches_reference(kernel, query, key, value, lam):
+    """A kernel on causal self-attention without a mask: its forward and the gradients of q, k, v and λ are those of
+    the float64 reference, and it returns no maps."""
+    allowed = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool).tril()[None].expand(query.shape[0], -1, -1)
+    output, weights = kernel(mock.Mock(scaling=query.shape[-1] ** -0.5), query, key, value, None, lam)
+    expected = per_head_differential(query, key, value, lam, allowed)
+    assert weights is None
+    torch.testing.assert_close(output, expected, rtol=0, atol=1e-12)
+    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    got = torch.autograd.grad((output * weights).sum(), (query, key, value, lam))
+    want = torch.autograd.grad((expected * weights).sum(), (query, key, value, lam))
+    for name, a, b in zip("qkvλ", got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=name)
+
+
 @contextlib.contextmanager
 def cuda_flash_ops_on_the_cpu():
     """PyTorch's CUDA FlashAttention entry points (`_scaled_dot_product_flash_attention` and its backward), emulated
@@ -158,19 +173,9 @@ def test_paired_cuda_kernel_matches_reference_forward_and_gradients(heads, kv_he
     """Issue 40 §4: version 1's CUDA training kernel keeps only d-wide tensors; its forward and the gradients of q, k,
     v and λ are the float64 reference's (the flash op emulated on the CPU: `cuda_flash_ops_on_the_cpu`)."""
     query, key, value, lam = kernel_inputs(heads, kv_heads, 13, 13)
-    allowed = torch.ones(13, 13, dtype=torch.bool).tril()[None].expand(2, -1, -1)
     with cuda_flash_ops_on_the_cpu() as key_heads:
-        output, weights = ALL_DIFFERENTIAL_KERNELS["paired_sdpa_cuda"](mock.Mock(scaling=8**-0.5), query, key,
-                                                                      value, None, lam)
+        causal_kernel_matches_reference(ALL_DIFFERENTIAL_KERNELS["paired_sdpa_cuda"], query, key, value, lam)
         pairs = kernels.CausalPairedAttentionCUDA.apply(query, key, value, 8**-0.5)
-        expected = per_head_differential(query, key, value, lam, allowed)
-        assert weights is None
-        torch.testing.assert_close(output, expected, rtol=0, atol=1e-12)
-        weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-        got = torch.autograd.grad((output * weights).sum(), (query, key, value, lam))
-    want = torch.autograd.grad((expected * weights).sum(), (query, key, value, lam))
-    for name, a, b in zip("qkvλ", got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=name)
     # What backward keeps of q, k and v is the d-wide tensors themselves, not the 2d-wide padded copies; and the flash
     # op gets the grouped key/value heads as they are (both forwards above, one backward).
     assert [tensor.shape for tensor in pairs.grad_fn.saved_tensors[:3]] == [query.shape, key.shape, value.shape]
@@ -186,7 +191,6 @@ def test_paired_cpu_kernel_matches_reference_forward_and_gradients(heads, kv_hea
     values (it reads past them): there they go to it repeated to every query head, and their gradients are summed
     back (forced here on any torch)."""
     query, key, value, lam = kernel_inputs(heads, kv_heads, 13, 13)
-    allowed = torch.ones(13, 13, dtype=torch.bool).tril()[None].expand(2, -1, -1)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     key_heads = []
 
@@ -196,16 +200,7 @@ def test_paired_cpu_kernel_matches_reference_forward_and_gradients(heads, kv_hea
 
     with mock.patch.object(kernels, "CPU_FLASH_READS_GROUPED_HEADS", reads_grouped_heads), \
             mock.patch.object(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", recorded_flash):
-        output, weights = ALL_DIFFERENTIAL_KERNELS["paired_sdpa_cpu"](mock.Mock(scaling=8**-0.5), query, key,
-                                                                     value, None, lam)
-        weights_out = torch.randn(output.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-        got = torch.autograd.grad((output * weights_out).sum(), (query, key, value, lam))
-    expected = per_head_differential(query, key, value, lam, allowed)
-    assert weights is None
-    torch.testing.assert_close(output, expected, rtol=0, atol=1e-12)
-    want = torch.autograd.grad((expected * weights_out).sum(), (query, key, value, lam))
-    for name, a, b in zip("qkvλ", got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=name)
+        causal_kernel_matches_reference(ALL_DIFFERENTIAL_KERNELS["paired_sdpa_cpu"], query, key, value, lam)
     handed = key.shape[1] if reads_grouped_heads else heads
     assert key_heads == [(handed, handed)]
 
@@ -552,7 +547,6 @@ def test_rebuilding_for_backward_changes_no_bf16_gradient(kernel):
         assert torch.equal(recomputed[name], grad), name
 
 
-
 @pytest.mark.oldest_transformers  # and the oldest torch: its CPU flash op and saved-tensor hooks differ
 def test_rebuilding_leaves_every_tensor_to_an_outer_saved_tensor_policy():
     """Under non-reentrant activation checkpointing (transformers' default) or CPU offloading, their hooks decide for
@@ -600,7 +594,7 @@ def test_another_saved_tensor_policy_is_seen_on_every_torch(monkeypatch, asks_to
         return tensor * 2
 
     assert not kernels._saved_tensor_hooks_active()
-    with torch.autograd.graph.saved_tensors_hooks(_unchanged_tensor, _unchanged_tensor):
+    with torch.autograd.graph.saved_tensors_hooks(kernels._unchanged, kernels._unchanged):
         assert kernels._saved_tensor_hooks_active()
     with torch.autograd.graph.save_on_cpu():
         assert kernels._saved_tensor_hooks_active()
@@ -609,10 +603,6 @@ def test_another_saved_tensor_policy_is_seen_on_every_torch(monkeypatch, asks_to
     assert not kernels._saved_tensor_hooks_active()
     with kernels.RebuiltForBackward() as rebuilt:
         assert rebuilt._hooks is not None  # no other policy: rebuilding is on
-
-
-def _unchanged_tensor(tensor):
-    return tensor
 
 
 def test_a_rebuilt_tensor_is_rebuilt_once_per_backward_however_often_it_is_saved():
