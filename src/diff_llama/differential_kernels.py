@@ -624,7 +624,11 @@ class PairDifference(torch.autograd.Function):
 
 
 def pair_difference_inputs(difference: torch.Tensor) -> tuple | None:
-    """(A1·V, A2·V, λ) when `difference` is a `PairDifference` output that autograd records, else None."""
+    """(A1·V, A2·V, λ) when `difference` is a `PairDifference` output that autograd records, else None. None while
+    compiling or exporting: `_pair_difference` makes no such node there (the partitioner decides what is kept), and
+    the compiler cannot read a tensor's `grad_fn`."""
+    if torch.compiler.is_compiling():
+        return None
     node = difference.grad_fn
     if node is None or not getattr(node, "is_pair_difference", False):
         return None
