@@ -131,3 +131,37 @@ def test_text_generation_pipeline(tokenizer):
     inputs = tokenizer("The differential transformer", return_tensors="pt")
     expected = model.generate(**inputs, max_new_tokens=6, do_sample=False)
     assert text == tokenizer.decode(expected[0], skip_special_tokens=True)  # the pipeline runs our model's generate
+
+
+@pytest.mark.parametrize("version,heads,kv_heads", [(1, 6, 1), (2, 6, 3)])
+def test_beam_search_scores_are_the_references_log_probabilities(version, heads, kv_heads):
+    """Beam search reorders the cache between steps: every returned beam's score (length_penalty 0: the sum of its
+    tokens' log-probabilities) is the float64 reference's for that sequence."""
+    model = differential_model(version, torch.float64, heads=heads, kv_heads=kv_heads)
+    prompt = random_batch(length=5)[0][:1]
+    out = model.generate(prompt, max_new_tokens=6, do_sample=False, num_beams=4, num_return_sequences=4,
+                         length_penalty=0.0, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    assert len({tuple(sequence) for sequence in out.sequences.tolist()}) == 4
+    for sequence, score in zip(out.sequences, out.sequences_scores):
+        log_probs = reference_forward(model.config, checkpoint_state_dict(model), sequence[None, :-1])[0].log_softmax(-1)
+        tokens = sequence[prompt.shape[1]:]
+        expected = log_probs[prompt.shape[1] - 1 :].gather(-1, tokens[:, None]).sum()
+        torch.testing.assert_close(score.double(), expected, rtol=0, atol=1e-5)  # generate keeps them in float32
+
+
+@pytest.mark.parametrize("version,heads,kv_heads", [(1, 6, 1), (2, 6, 3)])
+def test_assisted_and_prompt_lookup_decoding_give_the_greedy_tokens(version, heads, kv_heads):
+    """Speculative decoding checks several drafted tokens in one cached call and crops the cache back where a draft
+    is rejected: with a draft model (the model with its output layer perturbed, so that it drafts some tokens right
+    and some wrong) and with prompt lookup, the tokens are greedy decoding's."""
+    model = differential_model(version, torch.float64, heads=heads, kv_heads=kv_heads)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        draft.lm_head.weight.add_(torch.randn(draft.lm_head.weight.shape, generator=torch.Generator().manual_seed(0),
+                                              dtype=torch.float64), alpha=0.5 * draft.lm_head.weight.std().item())
+    prompt = torch.tensor([[5, 9, 11, 5, 9, 11, 5, 9, 20, 5, 9]])  # repeats, for prompt lookup to draft from
+    greedy = _greedy(model, prompt)
+    assert _greedy(model, prompt, assistant_model=draft).tolist() == greedy.tolist()
+    assert _greedy(model, prompt, prompt_lookup_num_tokens=3).tolist() == greedy.tolist()
+    logits = reference_forward(model.config, checkpoint_state_dict(model), greedy[:, :-1])
+    assert greedy[0, prompt.shape[1]:].tolist() == logits[0, prompt.shape[1] - 1 :].argmax(-1).tolist()
