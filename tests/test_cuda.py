@@ -148,6 +148,30 @@ def test_fp32_training_gradients_match_float64(version, backend, kernel, heads, 
     assert_gradients_close(actual, expected, 1e-3)
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_training_step_compiled_by_inductor_matches_float64(version):
+    """What `Trainer(torch_compile=True)` runs on a GPU: forward and backward compiled whole by inductor (Triton
+    kernels), one graph with no break, left padding, every gradient within the eager path's bound of the reference.
+    (tests/test_compile_and_export.py checks the graph on the CPU with aot_eager.)"""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = float64_model(version, 6, 3, layers=2)
+    input_ids, attention_mask = random_batch(length=14)
+    labels = padded_labels(input_ids, attention_mask)
+    expected = gradients(model, input_ids, attention_mask, labels)
+    model = on_cuda(model, torch.float32, "sdpa").train()
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    backend = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    loss = compiled(input_ids.to(DEVICE), attention_mask=attention_mask.to(DEVICE), labels=labels.to(DEVICE)).loss
+    loss.backward()
+    actual = {"loss": loss.detach().cpu().double()}
+    actual.update({name: param.grad.cpu().double() for name, param in model.named_parameters()})
+    assert backend.frame_count == 1
+    assert_gradients_close(actual, expected, 1e-3)
+
+
 @pytest.mark.parametrize("version,kernel", [(1, "generic"), (1, "blocked"), (2, None)])
 def test_bf16_logits_are_as_close_to_the_reference_as_the_cpu_bf16_path(version, kernel):
     """bf16 on the GPU rounds like bf16 anywhere: its error against float64 stays within 1.5x that of the CPU's bf16

@@ -13,6 +13,8 @@ Markers, on the lines just before a block's fence:
   Hub, torchrun); the test reports the skip with that reason.
 - `<!-- docs-test: expect "text" -->` requires that text in the block's output (stdout and stderr), so a block that
   exits 0 without doing what it promises fails.
+- `<!-- docs-test: quantizers -->` runs it in a Python that also sees torchao and bitsandbytes, which the test
+  environment keeps beside it (`conftest.QUANTIZERS_ASIDE`), as a reader who installed them has them.
 """
 
 import os
@@ -27,11 +29,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_model
+from conftest import QUANTIZERS_ASIDE, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_FOLDER = Path("outputs") / "SmolLM2-135M-Instruct-diff"  # what `bash scripts/run_main_job.sh` writes
-MARKER = re.compile(r"<!--\s*docs-test:\s*(skip|expect)\s*(.*?)\s*-->")
+MARKER = re.compile(r"<!--\s*docs-test:\s*(skip|expect|quantizers)\s*(.*?)\s*-->")
 FENCE = re.compile(r"^```python\n(.*?)^```", flags=re.DOTALL | re.MULTILINE)
 BLOCK_TIMEOUT = 300
 
@@ -43,6 +45,7 @@ class Block:
     code: str
     skip: str | None = None  # the reason, when skipped
     expect: list[str] = field(default_factory=list)
+    quantizers: bool = False  # run with torchao and bitsandbytes importable
 
     @property
     def name(self) -> str:
@@ -59,7 +62,9 @@ def parse_blocks(text: str, page: str) -> list[Block]:
         above = line - 2  # index of the line before the fence
         while above >= 0 and (found := MARKER.search(lines[above])):
             kind, argument = found.groups()
-            if kind == "skip":
+            if kind == "quantizers":
+                block.quantizers = True
+            elif kind == "skip":
                 reason = argument.strip()
                 block.skip = reason[1:-1] if reason.startswith("(") and reason.endswith(")") else reason
                 if not block.skip:
@@ -90,11 +95,13 @@ def test_the_block_finder_reads_blocks_and_markers():
         "a\n```python\nx = 1\n```\n"
         "<!-- docs-test: skip (needs the real SmolLM2) -->\n```python\ny = 2\n```\n"
         '<!-- docs-test: expect "shape (1, 4)" -->\n<!-- docs-test: expect "done" -->\n```python\nz = 3\n```\n'
+        '<!-- docs-test: quantizers -->\n```python\nw = 4\n```\n'
     )
-    first, second, third = parse_blocks(text, "page.md")
-    assert (first.line, first.code, first.skip, first.expect) == (2, "x = 1\n", None, [])
+    first, second, third, fourth = parse_blocks(text, "page.md")
+    assert (first.line, first.code, first.skip, first.expect, first.quantizers) == (2, "x = 1\n", None, [], False)
     assert second.skip == "needs the real SmolLM2"
     assert third.expect == ["done", "shape (1, 4)"] and third.skip is None
+    assert fourth.quantizers and fourth.skip is None
     with pytest.raises(ValueError, match="reason"):
         parse_blocks("<!-- docs-test: skip -->\n```python\nx\n```\n", "page.md")
 
@@ -201,7 +208,8 @@ class PageRuns:
             script.write_text(block.code, encoding="utf-8")
             before = files_outside_outputs(folder)
             try:
-                done = subprocess.run([sys.executable, script.name], cwd=folder, env=env, capture_output=True,
+                block_env = dict(env, PYTHONPATH=str(QUANTIZERS_ASIDE)) if block.quantizers else env
+                done = subprocess.run([sys.executable, script.name], cwd=folder, env=block_env, capture_output=True,
                                       text=True, timeout=BLOCK_TIMEOUT)
                 results[block.line] = {"rc": done.returncode, "output": done.stdout + done.stderr}
             except subprocess.TimeoutExpired:

@@ -4,6 +4,10 @@ int8 weights and bitsandbytes' 4-bit and 8-bit, a float16 load, and QLoRA (LoRA 
 DIFF V2's λ projection is left out of every quantizer (`_keep_in_fp32_modules`): λ weights a subtraction that
 cancels most of the signal, and its float32 product cannot read a quantized weight type (under torchao, DIFF V2's
 forward once failed: `Int8Tensor dispatch: ... aten.t`). The other linear layers are quantized as in any LLaMA.
+
+The quantized checks run in `quantization_worker.py`, in a Python that can import the quantizers:
+scripts/setup_env.sh installs them beside the environment (`QUANTIZERS_ASIDE`), since transformers and PEFT import
+them wherever they are importable, and their imports' lines on a CPU torch would reach every other test's commands.
 """
 
 import copy
@@ -15,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import differential_model
+from conftest import QUANTIZERS_ASIDE, differential_model
 
 HERE = Path(__file__).resolve().parent
-TORCHAO = Path(sys.prefix) / "torchao-aside"  # where scripts/setup_env.sh installs torchao
+QUANTIZERS = ["torchao-int8", "bnb-4bit", "bnb-8bit"]
 # Widths that are multiples of the quantizers' block of 64 (bitsandbytes' CPU kernels need that).
 SHAPE = dict(heads=8, kv_heads=2, hidden_size=128, intermediate_size=256, head_dim=16)
 
@@ -72,7 +76,7 @@ def check_quantized_load(folder, quantizer: str) -> None:
     V2's λ is the float64 equations' sigmoid(x · lambda_proj) on the quantized model's own inputs. With weights-only
     quantization the model computes the DiffLlama of its dequantized weights, far closer to it than quantizing moved
     the logits; bitsandbytes' 8-bit also rounds the activations (LLM.int8), so there the logits only stay near the
-    unquantized model's. Greedy generation runs. (Also run by quantization_worker.py, with torchao importable.)"""
+    unquantized model's. Greedy generation runs. (Run by quantization_worker.py.)"""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder)
@@ -111,28 +115,7 @@ def check_quantized_load(folder, quantizer: str) -> None:
     assert generated.shape == (1, 16)
 
 
-@pytest.mark.parametrize("quantizer", ["bnb-4bit", "bnb-8bit"])
-@pytest.mark.parametrize("version", [1, 2])
-def test_a_bitsandbytes_load_keeps_lambda_exact_and_runs(tmp_path, quantizer, version):
-    check_quantized_load(saved_model(tmp_path, version)[1], quantizer)
-
-
-@pytest.mark.parametrize("version", [1, 2])
-def test_a_torchao_load_keeps_lambda_exact_and_runs(tmp_path, version):
-    """The same checks with torchao's int8 weights (DIFF V2's forward once failed there: `Int8Tensor dispatch: ...
-    aten.t`), in a Python that can import torchao: scripts/setup_env.sh installs it beside the environment, since
-    transformers imports torchao wherever it is importable, and its import's noise would reach every other test's
-    commands."""
-    assert TORCHAO.is_dir(), f"{TORCHAO} is missing: run bash scripts/setup_env.sh {sys.prefix} test"
-    folder = saved_model(tmp_path, version)[1]
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TORCHAO), str(HERE)])}
-    out = subprocess.run([sys.executable, str(HERE / "quantization_worker.py"), str(folder), "torchao-int8"],
-                         capture_output=True, text=True, env=environment, timeout=300)
-    assert out.returncode == 0 and "checked torchao-int8" in out.stdout, out.stdout + out.stderr[-3000:]
-
-
-@pytest.mark.parametrize("version", [1, 2])
-def test_qlora_trains_lambda_over_a_4bit_base_and_its_adapter_loads_again(tmp_path, version):
+def check_qlora(folder, adapter) -> None:
     """QLoRA as PEFT's guide runs it: a 4-bit base, `prepare_model_for_kbit_training`, `lora_config()`. Three steps
     train the LoRA weights and λ (in `modules_to_save`) and leave the quantized base as it was; the saved adapter,
     loaded onto a fresh 4-bit base, gives the trained model's logits."""
@@ -140,8 +123,6 @@ def test_qlora_trains_lambda_over_a_4bit_base_and_its_adapter_loads_again(tmp_pa
     from transformers import AutoModelForCausalLM
 
     from diff_llama.training import lora_config, optimizer_for
-
-    _, folder = saved_model(tmp_path, version)
 
     def quantized_base():
         return AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization_configs()["bnb-4bit"]())
@@ -163,10 +144,35 @@ def test_qlora_trains_lambda_over_a_4bit_base_and_its_adapter_loads_again(tmp_pa
     assert any("lora_" in name for name in changed)
     assert any("differential_lambda.modules_to_save" in name for name in changed)
 
-    model.eval().save_pretrained(tmp_path / "adapter")
-    loaded = PeftModel.from_pretrained(quantized_base(), tmp_path / "adapter").eval()
+    model.eval().save_pretrained(adapter)
+    loaded = PeftModel.from_pretrained(quantized_base(), adapter).eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids).logits, model(input_ids).logits, rtol=0, atol=1e-5)
+
+
+def in_worker(*arguments: str) -> str:
+    """Run quantization_worker.py with the quantizers importable; its output."""
+    assert QUANTIZERS_ASIDE.is_dir(), f"{QUANTIZERS_ASIDE} is missing: run bash scripts/setup_env.sh {sys.prefix} test"
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(QUANTIZERS_ASIDE), str(HERE)])}
+    out = subprocess.run([sys.executable, str(HERE / "quantization_worker.py"), *arguments], capture_output=True,
+                         text=True, env=environment, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr[-4000:]
+    return out.stdout
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_quantized_load_keeps_lambda_exact_and_runs(tmp_path, version):
+    """torchao's int8 weights and bitsandbytes' 4-bit and 8-bit (`check_quantized_load`; DIFF V2's forward once failed
+    under torchao)."""
+    output = in_worker("load", str(saved_model(tmp_path, version)[1]), *QUANTIZERS)
+    assert [f"checked {quantizer}" for quantizer in QUANTIZERS] == output.split("\n")[-len(QUANTIZERS) - 1 : -1]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_qlora_trains_lambda_over_a_4bit_base_and_its_adapter_loads_again(tmp_path, version):
+    """LoRA over bitsandbytes' 4-bit base, λ trained in full (`check_qlora`)."""
+    output = in_worker("qlora", str(saved_model(tmp_path, version)[1]), str(tmp_path / "adapter"))
+    assert output.endswith("checked qlora\n")
 
 
 def test_a_float16_load_keeps_the_lambda_projection_in_float32(tmp_path):
