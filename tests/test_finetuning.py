@@ -159,6 +159,33 @@ def test_train_with_autocast_and_gradient_checkpointing(tmp_path, saved_model, m
     assert main(["train", *[a if a != autocast else other for a in common], "--max-steps", "4", "--resume"]) == 2
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_train_compile_trains_as_one_graph_what_eager_training_trains(tmp_path, tokenizer, version):
+    """--compile: the Trainer compiles the model (here with aot_eager, which dynamo splits into graphs as it does for
+    inductor, without minutes of C++ compilation): no graph break in either version, and two steps give eager
+    training's weights."""
+    from torch._dynamo.utils import counters
+
+    folder = tmp_path / "base"
+    differential_model(version, torch.float32, vocab_size=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (tmp_path / "text.txt").write_text(SAMPLE_TEXT)
+    common = [str(folder), "--data", str(tmp_path / "text.txt"), "--block-size", "32", "--batch-size", "2",
+              "--max-steps", "2", "--save-steps", "10", "--no-monitor", "--learning-rate", "1e-2"]
+    assert main(["train", *common, "--output", str(tmp_path / "eager")]) == 0
+    torch._dynamo.reset()
+    counters.clear()
+    assert main(["train", *common, "--output", str(tmp_path / "compiled"), "--compile",
+                 "--compile-backend", "aot_eager"]) == 0
+    assert counters["stats"]["unique_graphs"] >= 1 and dict(counters["graph_break"]) == {}
+    eager, compiled = (AutoModelForCausalLM.from_pretrained(tmp_path / name).state_dict()
+                       for name in ("eager", "compiled"))
+    base = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    assert any(not torch.equal(compiled[name], base[name]) for name in base)  # it trained
+    for name, weight in eager.items():
+        torch.testing.assert_close(compiled[name], weight, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_resume_refuses_what_would_not_continue_the_run(tmp_path, saved_model, capsys, monkeypatch):
     """`--resume --lora` on a full run's checkpoints ended in a traceback from the optimizer; another --block-size,
     --batch-size, --data or MODEL trained on, from the step it stopped at, on a stream the run never saw. Each is one
@@ -173,7 +200,7 @@ def test_resume_refuses_what_would_not_continue_the_run(tmp_path, saved_model, c
     record = json.loads((out / "checkpoint-2" / "diff_llama_run.json").read_text())
     assert record["data"] == str(text.resolve()) and record["model"] == str(saved_model.resolve())
     may_change = ("only --max-steps, --epochs, --save-steps, --logging-steps, --monitor, --merge, "
-                  "--gradient-checkpointing may change")
+                  "--gradient-checkpointing, --compile, --compile-backend may change")
     for change, says in [
         (["--data", str(text), "--lora"],
          f"{out / 'checkpoint-2'} holds a full training run; resume it without --lora"),

@@ -290,13 +290,14 @@ RUN_RECORD = "diff_llama_run.json"
 # What a resumed `train` or `recover` may change: how long it runs, how often it saves and logs, what it writes at the
 # end. Anything else would change what the run trains, or (--lora) could not load its optimizer state.
 RESUMABLE_CHANGES = ("max_steps", "epochs", "minutes", "save_steps", "logging_steps", "eval_minutes", "monitor",
-                     "merge", "threads", "gradient_checkpointing")
+                     "merge", "threads", "gradient_checkpointing", "compile", "compile_backend")
 
 
 def compute_arguments(options: TrainingRunOptions) -> dict:
     """Where and how the Trainer computes: the accelerator where there is one, else the CPU (several processes then
     still train as one data-parallel job, over gloo, as they would over NCCL on GPUs); `options.autocast` on that
-    device (`auto`: bfloat16 where it computes it in hardware, `precision.fastest_dtype`); gradient checkpointing."""
+    device (`auto`: bfloat16 where it computes it in hardware, `precision.fastest_dtype`); gradient checkpointing;
+    torch.compile."""
     from dataclasses import fields
 
     from transformers import TrainingArguments
@@ -309,8 +310,9 @@ def compute_arguments(options: TrainingRunOptions) -> dict:
     # transformers 5.x renamed it; the old name still works there, with a FutureWarning.
     known = {field.name for field in fields(TrainingArguments)}
     checkpointing = "activation_checkpointing" if "activation_checkpointing" in known else "gradient_checkpointing"
+    compiled = {"torch_compile": True, "torch_compile_backend": options.compile_backend} if options.compile else {}
     return {"use_cpu": device.type == "cpu", "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16,
-            checkpointing: options.gradient_checkpointing}
+            checkpointing: options.gradient_checkpointing, **compiled}
 
 
 def run_record(model_path: str, options: TrainingRunOptions) -> dict:
