@@ -185,8 +185,11 @@ class RebuiltForBackward:
         self._hooks = None
 
     def add(self, tensor: torch.Tensor, rebuild: Callable, *inputs: torch.Tensor) -> torch.Tensor:
-        """Register `tensor` = rebuild(*inputs), which must recreate its values and layout. Returns `tensor`."""
-        self._recipes[id(tensor.untyped_storage())] = _Rebuild(tensor, rebuild, inputs)
+        """Register `tensor` = rebuild(*inputs), which must recreate its values and layout. Returns `tensor`. Only
+        while active: inactive (compiling among the reasons), there is nothing to pack, and a compiler traces no
+        storage's id (torch 2.11's dynamo refuses it)."""
+        if self._hooks is not None:
+            self._recipes[id(tensor.untyped_storage())] = _Rebuild(tensor, rebuild, inputs)
         return tensor
 
     def __enter__(self):
