@@ -66,7 +66,7 @@ def served_folder(tmp_path_factory, tokenizer):
     return _never_ending_model(tmp_path_factory.mktemp("serve-load") / "tiny", tokenizer, CONTEXT)
 
 
-def _start(folder, guarded: bool, timeout: float = TIMEOUT):
+def _start(folder, guarded: bool, timeout: float = TIMEOUT, **server_options):
     from transformers.cli.serve import Serve
 
     from diff_llama.request_guard import guarded_server
@@ -75,7 +75,8 @@ def _start(folder, guarded: bool, timeout: float = TIMEOUT):
     port = _free_port()
     with diff_llama_model_loading(aliases={"as-typed"}), \
             (guarded_server(timeout) if guarded else __import__("contextlib").nullcontext()):
-        server = Serve(force_model=str(folder), host="127.0.0.1", port=port, device="cpu", non_blocking=True)
+        server = Serve(force_model=str(folder), host="127.0.0.1", port=port, device="cpu", non_blocking=True,
+                       **server_options)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -99,6 +100,15 @@ def patient(served_folder):
     """The same model behind a guard whose timeout ends no request here: what stops a generation is the test's."""
     server, url = _start(served_folder, guarded=True, timeout=PATIENT_TIMEOUT)
     yield url
+    server.kill_server()
+
+
+@pytest.fixture(scope="module")
+def batching(served_folder):
+    """The same model behind the guard, with continuous batching; its paged cache holds one whole context (unsized,
+    it would take most of this machine's RAM)."""
+    server, url = _start(served_folder, guarded=True, continuous_batching=True, cb_num_blocks=CONTEXT // 256)
+    yield server, url
     server.kill_server()
 
 
@@ -346,6 +356,44 @@ def test_a_stream_stops_on_its_flag_though_its_response_never_closes_it(served_f
     assert called == [1]
 
 
+def _requests_in_the_batch(server) -> int:
+    scheduler = server._generation_state._cb_manager.scheduler
+    return len(scheduler.active_requests) + len(scheduler.waiting_requests)
+
+
+def _leave_after(url, body, seconds):
+    try:
+        _post(url, body, timeout=seconds)
+    except TimeoutError:
+        return
+    raise AssertionError("the request was answered before its client left")
+
+
+@pytest.mark.parametrize("case", ["past the timeout", "client gone", "stream past the timeout"])
+def test_under_continuous_batching_a_request_that_is_not_wanted_leaves_the_batch(batching, case, caplog):
+    """Thousands of tokens asked for, then the time is up or the client goes: the request leaves the batch (its place
+    and its cache go to others), where transformers' server would generate it to its last token; a non-streamed one
+    used to, as nothing cancelled the result its handler awaits."""
+    server, url = batching
+    assert _post(url, _ask())[0] == 200  # the batch is running
+    long_request = _ask(max_tokens=CONTEXT - 100)  # seconds of generation
+    if case == "past the timeout":
+        status, answer, seconds = _post(url, long_request)
+        assert status == 503 and answer["error"]["code"] == "timeout" and TIMEOUT <= seconds < TIMEOUT + 5, answer
+    elif case == "client gone":
+        _leave_after(url, long_request, 1.5)
+    else:
+        status, events, seconds = _long_stream(url)
+        assert status == 200 and len(events) > 2 and json.loads(events[-1])["error"]["code"] == "timeout"
+    deadline = time.monotonic() + 3
+    while _requests_in_the_batch(server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _requests_in_the_batch(server) == 0
+    status, answer, _ = _post(url, _ask())
+    assert status == 200 and answer["usage"]["completion_tokens"] == 4
+    assert not [record for record in caplog.records if record.levelname == "ERROR"], caplog.text
+
+
 def test_a_request_without_max_tokens_gets_at_most_the_room_left_in_the_context(small_context, tokenizer):
     """transformers' server would generate its default 1024 tokens, far past this 128-token context."""
     content = "The quick brown fox " * 4
@@ -399,6 +447,21 @@ def test_the_request_timeout_is_a_transformers_server_option():
         ServeOptions(request_timeout=-1)
     with pytest.raises(UserError, match="--request-timeout is an option of the transformers server"):
         vllm_command("any-model", ServeOptions(engine="vllm", request_timeout=30))
+
+
+def test_the_paged_cache_sizes_go_with_continuous_batching_on_the_transformers_server():
+    from diff_llama.errors import UserError
+    from diff_llama.options import ServeOptions
+    from diff_llama.serving import vllm_command
+
+    with pytest.raises(UserError, match="--cb-num-blocks sizes continuous batching's cache: add --continuous-batching"):
+        ServeOptions(cb_num_blocks=16)
+    with pytest.raises(UserError, match="--cb-max-memory-percent must be a fraction above 0 and at most 1, not 50"):
+        ServeOptions(continuous_batching=True, cb_max_memory_percent=50)
+    with pytest.raises(UserError, match="--cb-max-batch-tokens must be 1 or more, not 0"):
+        ServeOptions(continuous_batching=True, cb_max_batch_tokens=0)
+    with pytest.raises(UserError, match="is an option of the transformers server"):
+        vllm_command("any-model", ServeOptions(engine="vllm", continuous_batching=True, cb_num_blocks=16))
 
 
 # ---- the load bench's own figures (bench/serve_load.py), from records of a run -------------------------------------

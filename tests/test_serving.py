@@ -139,6 +139,48 @@ def test_serve_command_answers_like_generate(model_dir, chat_tokenizer, tmp_path
     assert len([p for p in pieces if p]) > 1 and "".join(pieces) == expected  # streamed in several pieces
 
 
+def test_serve_with_continuous_batching_answers_each_request_like_generate(model_dir, chat_tokenizer, tmp_path):
+    """`--continuous-batching`: requests sent together share forward passes (transformers' paged attention), and each
+    gets its own greedy answer. The cache is sized with `--cb-num-blocks`; unsized, it would take most of the free
+    RAM."""
+    import concurrent.futures
+
+    from diff_llama import DiffLlamaForCausalLM
+
+    model = DiffLlamaForCausalLM.from_pretrained(model_dir).eval()
+    conversations = [[{"role": "user", "content": text}] for text in ("The quick brown fox", "Differential attention",
+                                                                      "A LLaMA")]
+    expected = []
+    for messages in conversations:
+        inputs = chat_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                    return_dict=True)
+        output = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+        expected.append(chat_tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+    assert len(set(expected)) == 3
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    command = [sys.executable, "-m", "diff_llama.cli", "serve", str(model_dir), "--host", "127.0.0.1", "--port",
+               str(port), "--device", "cpu", "--continuous-batching", "--cb-num-blocks", "4"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def answer(messages):
+        return client.chat.completions.create(model=str(model_dir), messages=messages, temperature=0,
+                                              max_tokens=MAX_TOKENS).choices[0].message.content
+
+    try:
+        _wait_for_server(port, process)
+        with concurrent.futures.ThreadPoolExecutor(len(conversations)) as pool:
+            answers = list(pool.map(answer, conversations))
+        resident = next(int(line.split()[1]) for line in Path(f"/proc/{process.pid}/status").read_text().splitlines()
+                        if line.startswith("VmRSS:")) * 1024
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert answers == expected
+    assert resident < 2 * 1024**3  # the cache took what --cb-num-blocks asked for, not the machine's RAM
+
+
 def test_serve_a_lora_adapter_answers_like_its_merged_model(model_dir, chat_tokenizer, tmp_path, capsys):
     """`diff-llama train --lora` writes an adapter folder: the server loads its base with the adapter merged in, and
     answers as that merged model does. vLLM, which would be handed the folder itself, asks for a merged model."""

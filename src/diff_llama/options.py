@@ -439,6 +439,9 @@ class AdaptCommandOptions:
 # ---- serve --------------------------------------------------------------------------------------------------------
 
 
+CONTINUOUS_BATCHING_SIZES = ("cb_num_blocks", "cb_max_batch_tokens", "cb_max_memory_percent")
+
+
 @dataclass
 class ServeOptions:
     """The options of transformers serve that matter for one model; `diff-llama serve` passes them through. With
@@ -460,7 +463,18 @@ class ServeOptions:
     trust_remote_code: bool = field(default=False, metadata={
         "help": "load a DiffLlama with the modeling code saved in its folder instead of this package's"})
     quantization: str | None = field(default=None, metadata={"help": "bnb-4bit or bnb-8bit (needs bitsandbytes)"})
-    continuous_batching: bool = field(default=False, metadata={"help": "continuous batching with paged attention"})
+    continuous_batching: bool = field(default=False, metadata={"help": (
+        "continuous batching with paged attention: requests share each forward pass")})
+    # transformers serve's own sizing of that cache. Unset, it takes most of the device's free memory: on a CPU,
+    # of the machine's RAM (docs/serving.md).
+    cb_num_blocks: int | None = field(default=None, metadata={"help": (
+        "--continuous-batching: the number of blocks of 256 tokens of every layer the paged cache holds (default: "
+        "what --cb-max-memory-percent of the free memory takes; on a CPU, that is of the machine's RAM)")})
+    cb_max_batch_tokens: int | None = field(default=None, metadata={
+        "help": "--continuous-batching: the most tokens one forward pass takes (default: transformers')"})
+    cb_max_memory_percent: float | None = field(default=None, metadata={"help": (
+        "--continuous-batching: the fraction (0 to 1) of the free memory the paged cache may take (default: "
+        "transformers', most of it)")})
     log_level: str = field(default="warning", metadata={"help": "server log level: debug, info, warning, error"})
     request_timeout: float = field(default=600, metadata={"help": (
         "seconds a completion request may take, its wait for the model included; past it the server answers 503 "
@@ -474,3 +488,11 @@ class ServeOptions:
             raise UserError(f"--port {self.port}: a TCP port is between 1 and 65535; give one such as 8000")
         if self.request_timeout < 0:
             raise UserError(f"--request-timeout must be 0 (no limit) or more seconds, not {self.request_timeout:g}")
+        for name in CONTINUOUS_BATCHING_SIZES:
+            value = getattr(self, name)
+            flag = "--" + name.replace("_", "-")
+            if value is not None and not self.continuous_batching:
+                raise UserError(f"{flag} sizes continuous batching's cache: add --continuous-batching, or drop {flag}")
+            if value is not None and not (0 < value <= 1 if name == "cb_max_memory_percent" else value >= 1):
+                expected = "a fraction above 0 and at most 1" if name == "cb_max_memory_percent" else "1 or more"
+                raise UserError(f"{flag} must be {expected}, not {value:g}")

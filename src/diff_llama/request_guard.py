@@ -21,7 +21,9 @@ its streamer. transformers' server cancels it too, but only when the cancellatio
 which it does not if the response was waiting to send a chunk then (the generator is closed when garbage collected,
 thousands of tokens later). A non-streamed generation cannot be cancelled (transformers' inference thread sets its
 result on the awaited future): a stopping criterion the guard adds to it ends it at its next token (or before it
-starts, if it is still queued). So the requests behind it get the model.
+starts, if it is still queued). So the requests behind it get the model. Under continuous batching
+(`--continuous-batching`), a non-streamed request awaits a result that transformers' server never cancels; the guard
+takes it out of the batch, so that its place and its cache go to the requests still wanted.
 
 Only torch-free imports at module level: `diff-llama serve --help` must not pay for them.
 """
@@ -262,8 +264,10 @@ class RequestStop:
 
 def stop_generations_on_request(generation_state) -> None:
     """Makes each generation manager that `generation_state` hands out stop the generations of guarded requests on
-    their request's stop flag: a stream's streamer is cancelled, and a sequential manager's non-streamed generations
-    get a stopping criterion. (Continuous batching has no non-streamed generation to stop this way.)"""
+    their request's stop flag: a stream's streamer is cancelled, a sequential manager's non-streamed generations get
+    a stopping criterion, and continuous batching's leave the batch."""
+    from transformers.cli.serving.utils import CBGenerateManager
+
     get_manager = generation_state.get_manager
 
     def get_stoppable_manager(*args, **kwargs):
@@ -271,6 +275,8 @@ def stop_generations_on_request(generation_state) -> None:
         if not getattr(manager, "stops_on_request", False):
             if hasattr(manager, "async_submit"):
                 manager.async_submit = stoppable_submit(manager.async_submit)
+            if isinstance(manager, CBGenerateManager):
+                manager.generate_non_streaming = stoppable_batched_generation(manager)
             if hasattr(manager, "generate_streaming"):
                 manager.generate_streaming = cancellable_streaming(manager.generate_streaming)
             manager.stops_on_request = True
@@ -290,6 +296,37 @@ def cancellable_streaming(generate_streaming):
         return queue, streamer
 
     return generate_cancellable
+
+
+def stoppable_batched_generation(manager):
+    """`manager.generate_non_streaming` (continuous batching's), ended by the calling request's stop flag: the request
+    is cancelled in the batch and the answer is empty (nobody reads it: the guard has answered, or the client has
+    gone). transformers' own would await a result that a cancelled request never delivers, so without this a request
+    whose client left, or whose time was up, generated on in the batch to its last token."""
+    import asyncio
+
+    generate = manager.generate_non_streaming
+
+    async def generate_stoppable(model, processor, inputs, gen_config, request_id, *args, **kwargs):
+        flag = REQUEST_STOP.get()
+        if flag is None:  # not a guarded request
+            return await generate(model, processor, inputs, gen_config, request_id, *args, **kwargs)
+        loop = asyncio.get_running_loop()
+        stopped = asyncio.Event()
+        flag.call_on_set(lambda: loop.call_soon_threadsafe(stopped.set))
+        generation = asyncio.ensure_future(generate(model, processor, inputs, gen_config, request_id, *args, **kwargs))
+        waiter = asyncio.ensure_future(stopped.wait())
+        try:
+            await asyncio.wait({generation, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            answered = generation.done()
+            if not answered:  # stopped, or this request's task was cancelled
+                manager._cb.cancel_request(request_id)
+                generation.cancel()
+        return generation.result() if answered else ("", len(inputs["input_ids"]), [])
+
+    return generate_stoppable
 
 
 def stoppable_submit(submit):

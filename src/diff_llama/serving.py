@@ -269,7 +269,8 @@ def require_free_port(host: str, port: int) -> None:
 # The transformers server's own options, with the value that means "not set"; `--engine vllm` refuses any other value
 # rather than dropping it without a word.
 TRANSFORMERS_SERVER_ONLY = {"device": "auto", "attn_implementation": None, "quantization": None,
-                            "continuous_batching": False, "request_timeout": 600}
+                            "continuous_batching": False, "request_timeout": 600, "cb_num_blocks": None,
+                            "cb_max_batch_tokens": None, "cb_max_memory_percent": None}
 
 
 def vllm_server_launcher() -> list[str]:
