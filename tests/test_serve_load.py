@@ -464,6 +464,25 @@ def test_the_paged_cache_sizes_go_with_continuous_batching_on_the_transformers_s
         vllm_command("any-model", ServeOptions(engine="vllm", continuous_batching=True, cb_num_blocks=16))
 
 
+@pytest.mark.parametrize("sized", [False, True])
+def test_an_unsized_paged_cache_on_a_cpu_is_named_before_the_server_starts(served_folder, capsys, sized):
+    """Unsized, transformers gives the paged cache most of the free memory, which on a CPU is the machine's RAM. (The
+    port is taken, so the command stops before loading the model.)"""
+    import socket
+
+    from diff_llama.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        args = ["serve", str(served_folder), "--device", "cpu", "--host", "127.0.0.1", "--port",
+                str(taken.getsockname()[1]), "--continuous-batching", *(["--cb-num-blocks", "8"] if sized else [])]
+        assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert ("this machine's RAM" in out and "--cb-num-blocks N" in out) != sized
+    assert "another server there?" in err
+
+
 # ---- the load bench's own figures (bench/serve_load.py), from records of a run -------------------------------------
 
 

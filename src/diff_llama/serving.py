@@ -218,7 +218,11 @@ def serve(model: str, options) -> int:
     if options.device not in DEVICE_MAP_STRATEGIES:  # a device this machine lacks failed as the model loaded
         from .resolve import resolve_device
 
-        resolve_device(options.device)
+        device = resolve_device(options.device)
+        if device == "cpu" and options.continuous_batching and options.cb_num_blocks is None:
+            print("--continuous-batching on a CPU: the paged cache takes what --cb-max-memory-percent allows of this "
+                  "machine's RAM (transformers' default: most of it); --cb-num-blocks N holds N x 256 tokens instead",
+                  flush=True)
     require_free_port(options.host, options.port)  # the server binds only after loading the model
     if not is_serve_available():
         raise MissingPackageError(
