@@ -63,11 +63,11 @@ def model_dir(tmp_path, chat_tokenizer):
     return folder
 
 
-def _expected_answer(folder, tokenizer):
+def _expected_answer(folder, tokenizer, messages=MESSAGES):
     from diff_llama import DiffLlamaForCausalLM
 
     model = DiffLlamaForCausalLM.from_pretrained(folder).eval()
-    inputs = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     output = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
     answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert len(answer) >= MAX_TOKENS  # a real answer, not an empty one
@@ -145,17 +145,9 @@ def test_serve_with_continuous_batching_answers_each_request_like_generate(model
     RAM."""
     import concurrent.futures
 
-    from diff_llama import DiffLlamaForCausalLM
-
-    model = DiffLlamaForCausalLM.from_pretrained(model_dir).eval()
     conversations = [[{"role": "user", "content": text}] for text in ("The quick brown fox", "Differential attention",
                                                                       "A LLaMA")]
-    expected = []
-    for messages in conversations:
-        inputs = chat_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                    return_dict=True)
-        output = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        expected.append(chat_tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+    expected = [_expected_answer(model_dir, chat_tokenizer, messages) for messages in conversations]
     assert len(set(expected)) == 3
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")

@@ -439,7 +439,12 @@ class AdaptCommandOptions:
 # ---- serve --------------------------------------------------------------------------------------------------------
 
 
-CONTINUOUS_BATCHING_SIZES = ("cb_num_blocks", "cb_max_batch_tokens", "cb_max_memory_percent")
+# transformers serve's sizes of continuous batching's paged cache -> (whether a value fits, what fits).
+CONTINUOUS_BATCHING_SIZES = {
+    "cb_num_blocks": (lambda value: value >= 1, "1 or more"),
+    "cb_max_batch_tokens": (lambda value: value >= 1, "1 or more"),
+    "cb_max_memory_percent": (lambda value: 0 < value <= 1, "a fraction above 0 and at most 1"),
+}
 
 
 @dataclass
@@ -488,11 +493,9 @@ class ServeOptions:
             raise UserError(f"--port {self.port}: a TCP port is between 1 and 65535; give one such as 8000")
         if self.request_timeout < 0:
             raise UserError(f"--request-timeout must be 0 (no limit) or more seconds, not {self.request_timeout:g}")
-        for name in CONTINUOUS_BATCHING_SIZES:
-            value = getattr(self, name)
-            flag = "--" + name.replace("_", "-")
+        for name, (fits, expected) in CONTINUOUS_BATCHING_SIZES.items():
+            value, flag = getattr(self, name), "--" + name.replace("_", "-")
             if value is not None and not self.continuous_batching:
                 raise UserError(f"{flag} sizes continuous batching's cache: add --continuous-batching, or drop {flag}")
-            if value is not None and not (0 < value <= 1 if name == "cb_max_memory_percent" else value >= 1):
-                expected = "a fraction above 0 and at most 1" if name == "cb_max_memory_percent" else "1 or more"
+            if value is not None and not fits(value):
                 raise UserError(f"{flag} must be {expected}, not {value:g}")

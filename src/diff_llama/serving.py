@@ -29,7 +29,7 @@ curl localhost:8000/v1/chat/completions -H "Content-Type: application/json" \\
 import contextlib
 
 from .errors import MissingPackageError, UserError
-from .options import VLLM_INSTALL_COMMANDS
+from .options import CONTINUOUS_BATCHING_SIZES, VLLM_INSTALL_COMMANDS
 
 MODEL_TYPE = "diff_llama"
 
@@ -273,8 +273,8 @@ def require_free_port(host: str, port: int) -> None:
 # The transformers server's own options, with the value that means "not set"; `--engine vllm` refuses any other value
 # rather than dropping it without a word.
 TRANSFORMERS_SERVER_ONLY = {"device": "auto", "attn_implementation": None, "quantization": None,
-                            "continuous_batching": False, "request_timeout": 600, "cb_num_blocks": None,
-                            "cb_max_batch_tokens": None, "cb_max_memory_percent": None}
+                            "continuous_batching": False, "request_timeout": 600,
+                            **dict.fromkeys(CONTINUOUS_BATCHING_SIZES)}
 
 
 def vllm_server_launcher() -> list[str]:
