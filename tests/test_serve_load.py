@@ -108,6 +108,10 @@ def batching(served_folder):
     """The same model behind the guard, with continuous batching; its paged cache holds one whole context (unsized,
     it would take most of this machine's RAM)."""
     server, url = _start(served_folder, guarded=True, continuous_batching=True, cb_num_blocks=CONTEXT // 256)
+    # The first request starts the batch (its cache allocated), which on a loaded machine can outlast the timeout.
+    deadline = time.monotonic() + 60
+    while _post(url, _ask())[0] != 200 and time.monotonic() < deadline:
+        pass
     yield server, url
     server.kill_server()
 
