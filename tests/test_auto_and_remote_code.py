@@ -51,6 +51,35 @@ def test_auto_classes_build_ours_and_builtin_stays_builtin(auto_class):
     assert type(built).__module__.startswith("transformers.models.diffllama")
 
 
+LLAMA_HEADS = {
+    AutoModel: transformers.LlamaModel,
+    AutoModelForCausalLM: transformers.LlamaForCausalLM,
+    AutoModelForSequenceClassification: transformers.LlamaForSequenceClassification,
+    AutoModelForTokenClassification: transformers.LlamaForTokenClassification,
+    AutoModelForQuestionAnswering: transformers.LlamaForQuestionAnswering,
+}
+
+
+@pytest.mark.parametrize("auto_class", list(HEADS))
+@pytest.mark.parametrize("head_fields", [{}, {"token_classification_bias": False, "hidden_dropout": 0.3},
+                                         {"classifier_dropout": 0.2, "hidden_dropout": 0.3}])
+def test_each_head_reads_the_config_as_llamas_does(auto_class, head_fields):
+    """The same head fields give the same head parameters, dropout and pipeline-parallel plan as Llama's class (a
+    checkpoint saved without the token classifier's bias must not load with a fresh one)."""
+    fields = dict(vocab_size=128, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+                  num_key_value_heads=3, head_dim=8, num_labels=3, pad_token_id=0, **head_fields)
+    ours = HEADS[auto_class](tiny_config(**fields))
+    llama = LLAMA_HEADS[auto_class](transformers.LlamaConfig(**fields))
+
+    def head(model):  # Llama's question-answering head calls its backbone "transformer", ours "model"
+        backbone, prefix = {id(p) for p in model.base_model.parameters()}, model.base_model_prefix + "."
+        return ({name: tuple(p.shape) for name, p in model.named_parameters() if id(p) not in backbone},
+                getattr(getattr(model, "dropout", None), "p", None),
+                {name.removeprefix(prefix): plan for name, plan in (model._pp_plan or {}).items()})
+
+    assert head(ours) == head(llama)
+
+
 def test_auto_config_resolves_both_model_types():
     assert AutoConfig.for_model("diff_llama") .__class__ is diff_llama.DiffLlamaConfig
     assert type(AutoConfig.for_model("diffllama")) is transformers.DiffLlamaConfig

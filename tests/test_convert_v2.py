@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from diff_llama import DiffLlamaForCausalLM
@@ -50,6 +50,31 @@ def test_converted_model_computes_the_llama_function(tmp_path, tokenizer, heads,
     assert abs(quality["converted_perplexity"] / quality["source_perplexity"] - 1) < 1e-5
     assert quality["kl_source_to_converted"] < 1e-8
 
+
+@pytest.mark.parametrize("matrices,norms", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                            (torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize("evaluate", [True, False])
+def test_a_checkpoint_stored_in_several_dtypes_converts_exactly(tmp_path, tokenizer, matrices, norms, evaluate):
+    """A checkpoint whose norms are stored in another dtype than its matrices: every tensor must come out unrounded
+    (the output takes the narrowest dtype that holds them all), so the conversion stays exact."""
+    source = make_llama(tmp_path / "llama", tokenizer)
+    weights = load_file(source / "model.safetensors")
+    mixed = {name: tensor.to(norms if "norm" in name else matrices) for name, tensor in weights.items()}
+    save_file(mixed, source / "model.safetensors", metadata={"format": "pt"})
+    convert_llama_to_diff_llama(str(source), str(tmp_path / "v2"),
+                                ConversionOptions(diff_version=2, evaluate=evaluate, **FAST), progress=False)
+    wide = torch.promote_types(matrices, norms)
+    assert {tensor.dtype for tensor in load_file(tmp_path / "v2" / "model.safetensors").values()} == {wide}
+    llama = LlamaForCausalLM.from_pretrained(source, dtype=torch.float64).eval()
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "v2", dtype=torch.float64).eval()
+    for name, tensor in mixed.items():  # loaded in float64, the source's own values
+        assert torch.equal(llama.state_dict()[name], tensor.double()), name
+    input_ids, attention_mask = _inputs(len(tokenizer))
+    real = attention_mask.bool()
+    with torch.no_grad():
+        expected = llama(input_ids, attention_mask=attention_mask).logits
+        logits = converted(input_ids, attention_mask=attention_mask).logits
+    torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=1e-6)
 
 def test_weights_follow_the_spec_and_streaming_writes_the_same_bytes(tmp_path, tokenizer):
     source = make_llama(tmp_path / "llama", tokenizer)  # H = 9, G = 3, head_dim 8

@@ -48,6 +48,19 @@ def test_greedy_generation_matches_reference_argmax():
     assert generated[0, prompt.shape[1] :].tolist() == expected_next.tolist()
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_model_built_under_inference_mode_generates_the_references_tokens(version):
+    """Parameters made under `torch.inference_mode()` have no version counter, which version 1's reuse of λ across
+    decoding steps reads: such a model must still decode, with the reference's greedy tokens, as Llama's does."""
+    with torch.inference_mode():
+        model = differential_model(version, heads=6, kv_heads=3)
+        assert model.model.layers[0].self_attn.q_proj.weight.is_inference()
+        prompt = torch.randint(3, 128, (1, 5))
+        generated = _greedy(model, prompt)
+    logits = reference_forward(model.config, checkpoint_state_dict(model), generated[:, :-1])
+    assert generated[0, prompt.shape[1] :].tolist() == logits[0, prompt.shape[1] - 1 :].argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("version,heads,kv_heads", [(1, 8, 1), (2, 6, 3)])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_left_padded_batch_matches_each_prompt_alone(version, heads, kv_heads, attn):

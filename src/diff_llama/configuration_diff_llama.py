@@ -78,8 +78,9 @@ class DiffLlamaConfig(PreTrainedConfig):
     any divisor of H, odd and 1 included. Version 2 (DIFF V2): differential head `i` subtracts map `2i + 1` from map
     `2i` with a per-token λ, and G must divide H/2 so that both maps of a pair read the same key and value.
 
-    Like `LlamaConfig`, the config accepts any values; a layout the differential attention cannot run with is refused
-    with a message naming the field when a model is built from it (`validate_differential_layout`).
+    The config stores any values (recent `LlamaConfig`s refuse some when built); a layout the differential attention
+    cannot run with is refused with a message naming the field when a model is built from it
+    (`validate_differential_layout`).
 
     Args:
         lambda_std_dev (`float`, defaults to 0.1):
@@ -111,6 +112,13 @@ class DiffLlamaConfig(PreTrainedConfig):
     """
 
     model_type = "diff_llama"
+    # Llama's pipeline-parallel plan (the layer's inputs and outputs are Llama's), which vLLM's Transformers backend
+    # needs for --pipeline-parallel-size.
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
 
     def __init__(
         self,

@@ -257,10 +257,13 @@ class DiffLlamaAttention(DiffLlamaAttentionBase):
     def _lambda(self, cache: Cache | None) -> torch.Tensor:
         """This layer's λ. Decoding without autograd reuses the λ computed earlier with the same cache (one
         generation), as long as no λ vector was modified in place (their version counters) or replaced (their data
-        pointers); anything else computes it afresh (16 aten ops)."""
+        pointers); anything else computes it afresh (16 aten ops), as do vectors made under `torch.inference_mode()`,
+        which have no version counter."""
         if cache is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return self.differential_lambda()
         vectors = [getattr(self.differential_lambda, name) for name in LAMBDA_VECTOR_NAMES]
+        if any(vector.is_inference() for vector in vectors):
+            return self.differential_lambda()
         key = tuple((vector._version, vector.data_ptr(), vector.dtype, vector.device) for vector in vectors)
         cached = getattr(cache, "_differential_lambdas", None)
         if cached is None:
@@ -498,9 +501,12 @@ class DiffLlamaForTokenClassification(GenericForTokenClassification, DiffLlamaPr
         DiffLlamaPreTrainedModel.__init__(self, config)
         self.num_labels = config.num_labels
         self.model = DiffLlamaModel(config)
-        classifier_dropout = getattr(config, "classifier_dropout", None)
-        self.dropout = nn.Dropout(0.1 if classifier_dropout is None else classifier_dropout)
-        self.score = nn.Linear(config.hidden_size, config.num_labels)
+        # The generic head's rules: classifier_dropout, else hidden_dropout, else 0.1; a bias unless the config says not.
+        dropout = next((p for p in (getattr(config, "classifier_dropout", None), getattr(config, "hidden_dropout", None))
+                        if p is not None), 0.1)
+        self.dropout = nn.Dropout(dropout)
+        self.score = nn.Linear(config.hidden_size, config.num_labels,
+                               bias=getattr(config, "token_classification_bias", True))
         self.post_init()
 
 

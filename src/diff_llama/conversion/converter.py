@@ -7,12 +7,14 @@ model card. Each step finishes in its own module and returns here; none calls ba
 """
 
 import copy
+import functools
 import json
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 from transformers.utils.hub import convert_file_size_to_int
@@ -27,8 +29,8 @@ from ..resolve import clean_tokenizer_config, each_gguf_parsed_once, has_tokeniz
 from .base import LayerOutput, VersionConversion, checkpoint_schema
 from .calibration import LayerwiseRunner
 from .errors import ConversionError
-from .source import (FLOAT_DTYPES, TOKENIZER_FILES, LlamaSource, gguf_has_tokenizer, open_source, source_gguf_type,
-                     source_license)
+from .source import (FLOAT_DTYPES, TORCH_DTYPES, LlamaSource, gguf_has_tokenizer, open_source, side_files,
+                     source_gguf_type, source_license)
 from .version1 import VERSION_1_OPTIONS, DiffV1Conversion, HeadLayout, make_layout
 from .version2 import DiffV2Conversion
 from .writer import StreamingSafetensorsWriter
@@ -257,12 +259,19 @@ def read_text(path: str | None, default_modules) -> str:
     return stdlib_docstrings(default_modules) if path is None else read_text_file(path)
 
 
+def output_dtype(src: LlamaSource) -> torch.dtype:
+    """The converted model's dtype: the checkpoint's, or, for one stored in several (bf16 matrices beside float32
+    norms), the narrowest that holds every tensor exactly; rounding any of them would make DIFF V2 inexact."""
+    stored = {TORCH_DTYPES[src.tensor_info(name)[1]] for name in checkpoint_schema(src.config)}
+    return functools.reduce(torch.promote_types, sorted(stored, key=str))
+
+
 def write_weights(src: LlamaSource, version: VersionConversion, options: ConversionOptions,
                   runner: LayerwiseRunner | None, folder: Path, progress: bool) -> tuple[list, dict]:
     """Write every tensor of the converted model into `folder`, layer by layer; returns the layers' calibration
     diagnostics and the held-out quality report (empty without evaluation)."""
     config = src.config
-    out_dtype = src.get("model.norm.weight").dtype  # the converted model keeps the checkpoint's dtype
+    out_dtype = output_dtype(src)
     max_shard_bytes = convert_file_size_to_int(options.max_shard_size)
     writer = StreamingSafetensorsWriter(folder, version.write_plan(out_dtype), max_shard_bytes)
     out = LayerOutput(src, writer, out_dtype, config.head_dim)
@@ -302,11 +311,14 @@ def write_model_files(src: LlamaSource, version: VersionConversion, folder: Path
 
 
 def _copy_side_files(src: LlamaSource, folder: Path, tokenizer) -> None:
-    """Tokenizer and generation config travel with the model."""
+    """Tokenizer, licence texts and generation config travel with the model."""
     if src.folder is not None and not src.description.endswith(".gguf"):
-        for name in (*TOKENIZER_FILES, "generation_config.json"):
-            if (src.folder / name).is_file():
-                shutil.copyfile(src.folder / name, folder / name)
+        names = side_files(src.folder)
+        if (src.folder / "generation_config.json").is_file():
+            names.append(Path("generation_config.json"))
+        for name in names:
+            (folder / name).parent.mkdir(exist_ok=True)
+            shutil.copyfile(src.folder / name, folder / name)
         clean_tokenizer_config(folder)
         _name_tokenizer_class(src, folder, tokenizer)
     elif tokenizer is not None:

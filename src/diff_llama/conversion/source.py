@@ -13,7 +13,8 @@ import torch
 from huggingface_hub.repocard import metadata_load
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from ..resolve import ModelNotFoundError, adapter_refusal, check_hub_model, is_adapter_folder, resolve_model
+from ..resolve import (TOKENIZER_FILE_NAMES, ModelNotFoundError, adapter_refusal, check_hub_model, is_adapter_folder,
+                       resolve_model)
 from .errors import ConversionError
 
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM"}
@@ -21,10 +22,27 @@ LLAMA_ARCHITECTURES = {"LlamaForCausalLM"}
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
 FLOAT_DTYPES = set(SAFETENSORS_DTYPES.values())
 TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+# The files a tokenizer loads from (any of them may be the vocabulary: a GPT-2-style folder has vocab.json and
+# merges.txt, no tokenizer.json), and its named chat templates' folder; all travel with the converted model.
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "chat_template.jinja",
-    "added_tokens.json",
+    *TOKENIZER_FILE_NAMES, "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
 )
+TOKENIZER_FILE_PATTERNS = ("*.tiktoken",)
+CHAT_TEMPLATES_FOLDER = "additional_chat_templates"
+# The licence texts a derivative must carry (the Llama community licences ask for a copy of the agreement), matched
+# by name in any case: LICENSE, LICENSE.txt, LICENCE.md, NOTICE, USE_POLICY.md, ...
+LICENSE_FILE_STEMS = ("LICENSE", "LICENCE", "NOTICE", "USE_POLICY")
+
+
+def side_files(folder: Path) -> list[Path]:
+    """The source folder's files that the converted folder copies as they are: tokenizer and licence (paths relative
+    to `folder`)."""
+    found = [Path(name) for name in TOKENIZER_FILES if (folder / name).is_file()]
+    found += [path.relative_to(folder) for pattern in TOKENIZER_FILE_PATTERNS for path in sorted(folder.glob(pattern))]
+    found += [path.relative_to(folder) for path in sorted((folder / CHAT_TEMPLATES_FOLDER).glob("*.jinja"))]
+    found += [Path(path.name) for path in sorted(folder.iterdir())
+              if path.is_file() and path.name.upper().split(".")[0] in LICENSE_FILE_STEMS]
+    return found
 
 
 class LlamaSource:
@@ -234,6 +252,15 @@ def _open_gguf(path: Path) -> LlamaSource:
     return InMemorySource(model, str(path), path.parent)
 
 
+# What a Hub snapshot fetches: the weights and config, and every file `side_files` copies.
+HUB_PATTERNS = [
+    "*.json", "*.safetensors", "README.md", *TOKENIZER_FILES, *TOKENIZER_FILE_PATTERNS,
+    f"{CHAT_TEMPLATES_FOLDER}/*.jinja",
+    *(f"{stem}{suffix}" for stem in LICENSE_FILE_STEMS for suffix in ("", ".*")),
+    *(f"{stem.lower()}{suffix}" for stem in LICENSE_FILE_STEMS for suffix in ("", ".*")),
+]
+
+
 def _open_hub(repo_id: str, revision: str | None) -> LlamaSource:
     """Download the safetensors, config and tokenizer files of a Hub repository (cached), then read them locally."""
     try:
@@ -242,7 +269,7 @@ def _open_hub(repo_id: str, revision: str | None) -> LlamaSource:
             repo_id,
             revision=revision,
             # README.md: the model card, whose metadata carries the licence the converted model inherits
-            allow_patterns=["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "README.md"],
+            allow_patterns=HUB_PATTERNS,
         )
     except Exception as error:
         raise ConversionError(f"could not fetch {repo_id} from the Hub ({type(error).__name__}: {error}).") from None
