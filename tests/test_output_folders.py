@@ -75,6 +75,69 @@ def test_overwrite_never_removes_a_users_file(tmp_path, model_dir, capsys, comma
     assert "--overwrite" not in _fails_in_one_line(capsys, argv)
 
 
+# attention-map's --overwrite replaces only the maps it draws, and adds them beside other files of its folder.
+@pytest.mark.parametrize("command", [command for command in OVERWRITE_COMMANDS if command != "attention-map"])
+def test_overwrite_never_removes_a_users_file_named_like_ours(tmp_path, model_dir, capsys, command):
+    """Names close to the project's (a script beside the remote code, a checkpoint folder of the user's, one named
+    like the Trainer's without its state) are not the project's: a folder of ours holding them is refused."""
+    out = tmp_path / "out"
+    out.mkdir()
+    if command == "convert":
+        (out / "conversion_report.json").write_text("{}")
+    else:
+        write_marker(out, command)
+    (out / "run_diff_llama.py").write_text("print('mine')")
+    for name in ("checkpoint-best", "checkpoint-3"):
+        (out / name).mkdir()
+        (out / name / "notes.txt").write_text("my notes")
+    before = folder_checksum(out)
+    argv = [a.format(model=model_dir, out=out) for a in OVERWRITE_COMMANDS[command]]
+    err = _fails_in_one_line(capsys, [*argv, "--overwrite"])
+    assert "--overwrite refused" in err and "checkpoint-3/" in err and "checkpoint-best/" in err, err
+    assert "run_diff_llama.py" in err, err
+    assert folder_checksum(out) == before
+
+
+def test_convert_overwrite_never_replaces_a_model_another_command_trained(tmp_path, model_dir, capsys):
+    """`adapt` writes a converted model's files (and its marker): `convert --overwrite` replaces only a conversion."""
+    out = tmp_path / "adapted"
+    out.mkdir()
+    tiny_model().save_pretrained(out)
+    write_marker(out, "adapt")
+    (out / "adapt.json").write_text("{}")
+    before = folder_checksum(out)
+    err = _fails_in_one_line(capsys, ["convert", str(model_dir), str(out), "--overwrite"])
+    assert "holds the output of diff-llama adapt" in err and "convert --overwrite never replaces" in err, err
+    assert folder_checksum(out) == before
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_a_folder_made_at_the_output_while_convert_runs_is_left_as_it_is(tmp_path, llama_dir, capsys, monkeypatch,
+                                                                          overwrite):
+    """The output is checked when the run starts and again before the finished folder goes into place: a folder the
+    user (or a second run) made there meanwhile is kept, and the finished output waits beside it, named."""
+    from diff_llama.conversion import converter
+
+    out = tmp_path / "out"
+    write_model_files = converter.write_model_files
+
+    def user_makes_the_folder(*args):
+        out.mkdir()
+        (out / "mine.txt").write_text("important")
+        return write_model_files(*args)
+
+    monkeypatch.setattr(converter, "write_model_files", user_makes_the_folder)
+    capsys.readouterr()
+    assert main(["convert", str(llama_dir), str(out), "--no-evaluate", *overwrite]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err, err
+    err = err.splitlines()[-1]  # after the progress bar
+    assert "was made or changed while this command ran" in err and "the finished output is in" in err, err
+    assert [p.name for p in out.iterdir()] == ["mine.txt"] and (out / "mine.txt").read_text() == "important"
+    (finished,) = [p for p in tmp_path.iterdir() if p.name.startswith("out.finished-")]
+    assert str(finished) in err and (finished / "config.json").is_file() and (finished / "model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("where, what", [(".", "the working directory"), ("..", "a folder above the working directory"),
                                          ("{home}", "your home folder")])
 @pytest.mark.parametrize("command", ["convert", "evaluate"])

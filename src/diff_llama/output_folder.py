@@ -28,22 +28,33 @@ import tempfile
 import time
 from pathlib import Path
 
+from .configuration_diff_llama import REMOTE_CODE_FILES
+from .conversion.source import CHAT_TEMPLATES_FOLDER, LICENSE_FILE_STEMS, TOKENIZER_FILES
 from .errors import Interrupted, OutputExistsError, OutputNotWritableError
 
 # Written into every folder that evaluate, ruler, demo, attention-map and adapt create: the folder is ours to replace.
 MARKER = ".diff-llama-output"
 
-# Every name the commands write at the top of an output folder (model and tokenizer files, reports, plots, Trainer
-# checkpoints). A folder whose entries all match is one `--overwrite` may replace, when it also carries a sign of ours.
+# Every file name the commands write at the top of an output folder (model, remote code, tokenizer and licence files,
+# reports, plots). A folder whose entries all match (and whose subfolders are ours: `PROJECT_FOLDERS`) is one
+# `--overwrite` may replace, when it also carries a sign of ours. Patterns only where a command writes numbered names.
 PROJECT_FILES = (
-    MARKER, ".partial", "config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
-    "model.safetensors.index.json", "*_diff_llama.py", "differential_kernels.py", "README.md",
-    "conversion_report.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "chat_template.jinja", "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt",
-    "retrieval.json", "retrieval.md", "retrieval.png", "cases.jsonl", "layer*-head*.png",
+    MARKER, ".partial", "config.json", "generation_config.json", "model.safetensors",
+    "model-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9].safetensors", "model.safetensors.index.json",
+    *REMOTE_CODE_FILES, "README.md", "conversion_report.json", *TOKENIZER_FILES, "*.tiktoken",
+    *(stem + suffix for stem in LICENSE_FILE_STEMS for suffix in ("", ".txt", ".md")),
+    "retrieval.json", "retrieval.md", "retrieval.png", "cases.jsonl", "layer[0-9]*-head*.png",
     "ruler_cases.json", "ruler.json", "ruler.md",
-    "adapt.json", "adapt.png", "checkpoint-*",
+    "adapt.json", "adapt.png",
 )
+# The subfolders the commands write, and what may be in them: the converter's named chat templates, and the Trainer's
+# checkpoints (`checkpoint-STEP`, its trainer_state.json the sign; the model, optimizer and RNG states, the tokenizer).
+PROJECT_FOLDERS = {
+    CHAT_TEMPLATES_FOLDER: (None, ("*.jinja",)),
+    "checkpoint-[0-9]*": ("trainer_state.json", (
+        *PROJECT_FILES, "adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "scheduler.pt",
+        "scaler.pt", "rng_state*.pth", "training_args.bin", "trainer_state.json", "pytorch_model*.bin")),
+}
 
 # A hidden folder of a killed run whose owner cannot be asked (made on another machine, or by an older version that
 # did not name its process) counts as abandoned once nothing in it has changed for this long.
@@ -78,6 +89,21 @@ def _carries_our_sign(folder: Path) -> bool:
         return False
 
 
+def _is_project_entry(entry: Path) -> bool:
+    """Whether a command writes `entry` of an output folder: a file of `PROJECT_FILES`, or a subfolder of
+    `PROJECT_FOLDERS` that carries its sign and holds only what that subfolder holds (no further folders)."""
+    if entry.is_symlink():
+        return False
+    if entry.is_file():
+        return any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in PROJECT_FILES)
+    for name, (sign, contents) in PROJECT_FOLDERS.items():
+        if entry.is_dir() and fnmatch.fnmatchcase(entry.name, name) and (sign is None or (entry / sign).is_file()):
+            return all(each.is_file() and not each.is_symlink()
+                       and any(fnmatch.fnmatchcase(each.name, pattern) for pattern in contents)
+                       for each in entry.iterdir())
+    return False
+
+
 def foreign_entries(folder: str | os.PathLike) -> list[str]:
     """The entries of `folder` that diff-llama did not write: all of them when it carries no sign of ours, else those
     whose names no command writes. Folders are shown with a trailing /."""
@@ -85,7 +111,7 @@ def foreign_entries(folder: str | os.PathLike) -> list[str]:
     entries = sorted(folder.iterdir())
     ours = _carries_our_sign(folder)
     return [entry.name + ("/" if entry.is_dir() else "") for entry in entries
-            if not (ours and any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in PROJECT_FILES))]
+            if not (ours and _is_project_entry(entry))]
 
 
 def _protected_place(path: Path) -> str | None:
@@ -135,6 +161,8 @@ def other_commands_output(folder: Path, command: str) -> str | None:
     written_by = (read_marker(folder) or {}).get("command")
     if written_by is not None:
         return None if written_by == command else f"the output of diff-llama {written_by}"
+    if command == "convert" and (folder / "conversion_report.json").is_file():
+        return None  # a conversion's own report, and no marker of a command that trained it since
     if (folder / "config.json").is_file() or (folder / "conversion_report.json").is_file():
         return "a model"
     return None
@@ -260,7 +288,7 @@ def new_output_folder(path: str | os.PathLike, overwrite: bool = False, fix: str
     remove_stale_temporaries(path)
     check_new_output(path, fix, overwrite, inputs=inputs, command=command)
     if holds_files(path) or not in_place:
-        with AtomicOutputFolder(path, overwrite=True) as temporary:
+        with AtomicOutputFolder(path, overwrite=overwrite, inputs=inputs, command=command) as temporary:
             if command is not None:
                 write_marker(temporary, command, **marker_details)
             yield temporary
@@ -304,17 +332,36 @@ class AtomicOutputFolder:
     """
 
     def __init__(self, output: str | os.PathLike, overwrite: bool = False, *, offers_overwrite: bool = True,
-                 inputs=()):
+                 inputs=(), command: str | None = None):
         remove_stale_temporaries(output)  # first: it may put back an output that an interrupted swap moved aside
-        check_new_output(output, overwrite=overwrite, offers_overwrite=offers_overwrite, inputs=inputs)
-        if Path(output).exists():  # even an empty folder is replaced: never the working directory or a folder above
-            refusal = replace_refusal(output, inputs)
-            if refusal is not None:
-                raise OutputExistsError(f"{refusal}.")
+        self.overwrite, self.offers_overwrite, self.inputs, self.command = overwrite, offers_overwrite, inputs, command
+        self._check(output)
         self.output = Path(output).absolute()
         self.path = None
         # The folders above `output` that this run creates: a failed run removes them again (when still empty).
         self.created_parents = _missing_folders(self.output.parent)
+
+    def _check(self, output) -> None:
+        """Refuse `output` unless it is new, empty, or (with `overwrite`) a folder this command may replace."""
+        check_new_output(output, overwrite=self.overwrite, offers_overwrite=self.offers_overwrite, inputs=self.inputs,
+                         command=self.command)
+        if Path(output).exists():  # even an empty folder is replaced: never the working directory or a folder above
+            refusal = replace_refusal(output, self.inputs, self.command)
+            if refusal is not None:
+                raise OutputExistsError(f"{refusal}.")
+
+    def _recheck_before_swap(self) -> None:
+        """The checks of the start again, at the end: a folder made or filled at `output` while this ran (by the user,
+        or by another run writing the same output) is never replaced unasked. The finished output is then kept in a
+        sibling folder that the error names."""
+        try:
+            self._check(self.output)
+        except OutputExistsError as error:
+            kept = Path(tempfile.mkdtemp(prefix=f"{self.output.name}.finished-", dir=self.output.parent))
+            os.replace(self.path, kept)
+            raise OutputExistsError(f"{self.output} was made or changed while this command ran, so it is left as it "
+                                    f"is ({str(error).rstrip('.')}); the finished output is in {kept}: move it where you want it"
+                                    ) from None
 
     def __enter__(self) -> Path:
         try:
@@ -336,6 +383,7 @@ class AtomicOutputFolder:
                 raise Interrupted(f"{kept}; run the command again to start over") from None
             return False
         _make_shareable(self.path)
+        self._recheck_before_swap()
         if self.output.exists():
             # --overwrite: move the old output aside first, so that a failure here still loses nothing.
             trash = Path(tempfile.mkdtemp(prefix=_temporary_prefix(self.output, "old"), dir=self.output.parent))

@@ -90,7 +90,7 @@ def convert_llama_to_diff_llama(
     started = time.perf_counter()
     check_options(options)
     # Refuses an output it may not replace (the source itself, or a folder holding it, among them) before any work.
-    target = AtomicOutputFolder(output, overwrite=overwrite, inputs=[source])
+    target = AtomicOutputFolder(output, overwrite=overwrite, inputs=[source], command="convert")
 
     with target as folder:  # entered first: whenever the run stops, the old output (if any) is as it was
         with each_gguf_parsed_once():  # a GGUF source: its config, weights, tokenizer and licence from one parse
