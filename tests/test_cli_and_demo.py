@@ -53,6 +53,17 @@ def test_export_builtin_command(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == before
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (9, 3)])
+def test_export_builtin_refuses_a_llama_and_names_the_conversion(tmp_path, tokenizer, capsys, heads, kv_heads):
+    """A LLaMA has no λ to export (its weights loaded as a DiffLlama failed on missing keys, with a traceback) and, with
+    odd KV heads, was refused for those as if it were a DiffLlama: the one line says what it is and what to run."""
+    source = make_llama(tmp_path / "llama", tokenizer, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                        hidden_size=8 * heads)
+    err = _fails_in_one_line(capsys, ["export-builtin", str(source), str(tmp_path / "builtin")])
+    assert "holds a LLaMA, not a DiffLlama" in err and "diff-llama convert" in err and "--diff-version 1" in err, err
+    assert not (tmp_path / "builtin").exists()
+
+
 def _fails_in_one_line(capsys, argv, code=2) -> str:
     """Run the command; it must exit with `code` and write exactly one line to stderr (no traceback)."""
     capsys.readouterr()  # forget earlier output (progress bars of setup steps)

@@ -67,6 +67,24 @@ def export_to_builtin(model: DiffLlamaForCausalLM, output_dir: str | os.PathLike
     builtin.save_pretrained(output_dir)
 
 
+def refuse_other_model_types(source) -> None:
+    """One line for a folder that holds no DiffLlama (a LLaMA, say): its weights lack λ, and loading them as one would
+    fail with a traceback naming missing keys."""
+    import json
+    from pathlib import Path
+
+    try:
+        model_type = json.loads(Path(source, "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # transformers' own error on reading it says more
+    if model_type == "llama":
+        raise UserError(f"{source} holds a LLaMA, not a DiffLlama; convert it first (diff-llama convert {source} OUT "
+                        "--diff-version 1), then export OUT.")
+    if model_type not in ("diff_llama", "diffllama"):
+        raise UserError(f"{source} holds a `{model_type}` model, not a DiffLlama; export-builtin takes a version 1 "
+                        "DiffLlama (diff-llama convert --diff-version 1 makes one from a LLaMA).")
+
+
 def export_folder_to_builtin(source: str | os.PathLike, output_dir: str | os.PathLike) -> None:
     """`diff-llama export-builtin`: the checkpoint in `source` saved for the built-in class, with its tokenizer."""
     from pathlib import Path
@@ -82,6 +100,7 @@ def export_folder_to_builtin(source: str | os.PathLike, output_dir: str | os.Pat
         if is_adapter_folder(source):
             raise InputNotFoundError(adapter_refusal(source, "and export that folder"))
         raise InputNotFoundError(f"{source}: no such diff-llama checkpoint folder (no config.json).")
+    refuse_other_model_types(source)
     config = DiffLlamaConfig.from_pretrained(source)
     to_builtin_config(config)  # refuses what the built-in cannot compute before the weights are read
     with target as folder:
