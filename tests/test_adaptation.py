@@ -338,6 +338,26 @@ def test_an_interrupted_adapt_leaves_no_folder_when_it_kept_nothing_and_otherwis
         (out / "config.json").stat().st_mode & 0o777}
 
 
+def test_adapt_refuses_a_min_length_its_needles_do_not_fit_before_any_work(tmp_path, chat_tokenizer):
+    """Found at the first example drawn that short, steps into training, the error left a folder (probe curves, the
+    marker) that refused the corrected command; it names the options, and nothing is written."""
+    source = tmp_path / "source"
+    tiny_model(vocab_size=len(chat_tokenizer), max_position_embeddings=1024).save_pretrained(source)
+    chat_tokenizer.save_pretrained(source)
+    settings = {**SMALL, "min_length": 64}
+    flags = ["--max-steps", "5", "--eval-every", "0", "--autocast", "none"]
+    for key, value in settings.items():
+        flags += [f"--{key.replace('_', '-')}", *map(str, value if isinstance(value, list) else [value])]
+    with pytest.raises(ValueError, match=r"--min-length 64 cannot hold --max-needles 3 needles .* raise --min-length "
+                                         r"to at least \d+, or lower --max-needles"):
+        main([str(source), str(tmp_path / "adapted"), *flags])
+    assert not (tmp_path / "adapted").exists()
+    examples = RetrievalExamples(chat_tokenizer, AdaptationOptions(**settings))
+    with pytest.raises(ValueError, match="cannot hold"):  # what training met before: such an example cannot be built
+        for _ in range(50):
+            examples.next()
+
+
 def test_adapt_command_checks_its_options_before_loading_a_model(tmp_path):
     # The model path does not exist: the option error comes first, and nothing is written.
     for flags, message in ((["--autocast", "fp8"], "unknown dtype 'fp8'"),

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..errors import InputNotFoundError, UserError
 from ..resolve import load_model, release_gguf_quantizer, save_tokenizer
+from .examples import RetrievalExamples
 from .settings import AdaptationOptions, check_options
 from .trainer import adapt
 
@@ -51,6 +52,7 @@ def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: st
     fresh_start = main_process and not options.resume
     with continuable(output, offers_overwrite=True):  # Ctrl-C: what was kept, and how to go on
         model, tokenizer = load_model(model_name)
+        RetrievalExamples(tokenizer, options).check_lengths()  # before the folder exists: a rerun is not refused
         release_gguf_quantizer(model)
         name = name or display_name(model_name)
         with removed_unless_written(output) if fresh_start else contextlib.nullcontext():

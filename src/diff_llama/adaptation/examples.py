@@ -13,7 +13,9 @@ import re
 
 import torch
 
+from ..errors import UserError
 from ..retrieval import TRAINING_CITIES, make_case
+from ..retrieval.cases import NeedlesDoNotFit
 from .settings import AdaptationOptions
 
 
@@ -57,6 +59,22 @@ class RetrievalExamples:
         rng = random.Random(f"filler-{seed}")
         start = rng.randrange(len(self.sentences))
         return [self.sentences[(start + i) % len(self.sentences)] for i in range(count)]
+
+    def check_lengths(self) -> None:
+        """Refuse, before any work, a --min-length too short for the most needles an example may hold (found
+        otherwise at the first such example drawn, steps into training)."""
+        o = self.options
+        needed = []
+        for seed in range(8):  # the needles' cities and numbers vary by case, and their token counts with them
+            try:
+                make_case(self.tokenizer, o.min_length, 0.5, o.max_needles, min(o.max_queries, o.max_needles),
+                          seed=f"check-{seed}", city_pool=TRAINING_CITIES, filler=self._filler)
+            except NeedlesDoNotFit as error:
+                needed.append(error.needed)
+        if needed:
+            raise UserError(f"--min-length {o.min_length} cannot hold --max-needles {o.max_needles} needles and the "
+                            f"question, which take up to {max(needed)} tokens with this tokenizer; raise --min-length "
+                            f"to at least {max(needed)}, or lower --max-needles.")
 
     def answer_ids(self, numbers) -> list[int]:
         text = ", ".join(str(n) for n in numbers)

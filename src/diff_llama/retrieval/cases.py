@@ -119,6 +119,16 @@ def _overlaps(start: int, end: int, span: tuple[int, int]) -> bool:
     return start < span[1] and end > span[0]
 
 
+class NeedlesDoNotFit(UserError):
+    """A prompt length too short for its needles and question, with the length they need (`needed`)."""
+
+    def __init__(self, length: int, num_needles: int, needed: int):
+        self.length, self.num_needles, self.needed = length, num_needles, needed
+        needles = "1 needle" if num_needles == 1 else f"{num_needles} needles"
+        super().__init__(f"{length} tokens cannot hold {needles} and the question, which take {needed}; give a "
+                         "length of at least that, or fewer needles.")
+
+
 def make_case(tokenizer, length: int, depth: float, num_needles: int, num_queries: int, seed: int | str = 0,
               chat_template: bool = True, city_pool=HELD_OUT_CITIES, filler=None) -> NeedleCase:
     """Build one prompt of at most `length` tokens: filler sentences with `num_needles` needles, the answer needle
@@ -189,9 +199,7 @@ def make_case(tokenizer, length: int, depth: float, num_needles: int, num_querie
             high = middle - 1
     prompt, context, spans, encoding = build(low)
     if len(encoding["input_ids"]) > length:
-        needles = "1 needle" if num_needles == 1 else f"{num_needles} needles"
-        raise UserError(f"{length} tokens cannot hold {needles} and the question, which take "
-                        f"{len(encoding['input_ids'])}; give a length of at least that, or fewer needles.")
+        raise NeedlesDoNotFit(length, num_needles, len(encoding["input_ids"]))
     start = prompt.find(context)
     if start < 0:
         raise UserError("the chat template changed the context text, so the needles cannot be located; pass "
