@@ -510,3 +510,26 @@ def test_evaluate_with_a_missing_model_writes_nothing(tmp_path, tokenizer, capsy
                  "--perplexity_tokens", "0"]) == 2
     assert "nowhere: no such folder" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["evaluate", "adapt"])
+def test_lengths_past_a_models_learned_positions_are_refused_in_one_line(tmp_path, tokenizer, capsys, command):
+    """GPT-2 learns 128 positions here: evaluate warned that 256 measures extrapolation, then failed with an index error
+    in the model's forward (adapt too, at its first step); each now says what runs past, before any work."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=32, n_layer=1, n_head=2)
+                    ).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    out = tmp_path / "out"
+    argv = (["evaluate", str(model), "--output", str(out), "--lengths", "256", "--settings", "1x1", "--depths", "50",
+             "--cases-per-depth", "1", "--perplexity-tokens", "0"] if command == "evaluate"
+            else ["adapt", str(model), str(out), "--max-steps", "1", "--max-length", "512", "--min-length", "100",
+                  "--eval-lengths", "100"])
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    option, length = ("--lengths", "256") if command == "evaluate" else ("--max-length", "512")
+    assert "learns its positions, up to 128 tokens" in err and f"{option} {length} run past that" in err, err
+    assert not out.exists()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..errors import InputNotFoundError, UserError
 from ..resolve import load_model, release_gguf_quantizer, save_tokenizer
+from ..retrieval.evaluate import refuse_past_learned_positions
 from .examples import RetrievalExamples
 from .settings import AdaptationOptions, check_options
 from .trainer import adapt
@@ -52,6 +53,9 @@ def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: st
     fresh_start = main_process and not options.resume
     with continuable(output, offers_overwrite=True):  # Ctrl-C: what was kept, and how to go on
         model, tokenizer = load_model(model_name)
+        refuse_past_learned_positions(model, [options.max_length], model_name, "--max-length")
+        refuse_past_learned_positions(model, [options.long_length or 0], model_name, "--long-length")
+        refuse_past_learned_positions(model, list(options.eval_lengths), model_name, "--eval-lengths")
         RetrievalExamples(tokenizer, options).check_lengths()  # before the folder exists: a rerun is not refused
         release_gguf_quantizer(model)
         name = name or display_name(model_name)

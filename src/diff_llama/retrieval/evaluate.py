@@ -101,9 +101,29 @@ def evaluate_model(model, tokenizer, options: RetrievalArguments, name: str = "m
     return report
 
 
-def warn_past_context(model, lengths: list[int], name: str) -> None:
+def learns_positions(model, context: int) -> bool:
+    """Whether `model` adds learned position embeddings (GPT-2's `wpe`): a table of `context` rows, which no position
+    past them can read."""
+    vocab = getattr(model.config, "vocab_size", None)
+    return any(isinstance(module, torch.nn.Embedding) and module.num_embeddings in (context, context + 2)
+               and module.num_embeddings != vocab for module in model.modules())
+
+
+def refuse_past_learned_positions(model, lengths: list[int], name: str, option: str) -> None:
+    """One line for lengths (of `option`) past the positions a model learned, which its forward cannot compute."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    beyond = [length for length in lengths if context and length > context]
+    if beyond and learns_positions(model, context):
+        raise UserError(f"{name} learns its positions, up to {context} tokens (max_position_embeddings), and cannot "
+                        f"read past them; {option} {' '.join(map(str, beyond))} run past that: give lengths of at most "
+                        f"{context}.")
+
+
+def warn_past_context(model, lengths: list[int], name: str, option: str = "--lengths") -> None:
     """Say so when a length runs past the context the model was configured for: its retrieval there measures
-    extrapolation, which may be the point of the run, so this warns rather than refuses."""
+    extrapolation, which may be the point of the run, so this warns rather than refuses. A model that learns its
+    positions cannot run there at all (an index error deep in its forward): refused in one line."""
+    refuse_past_learned_positions(model, lengths, name, option)
     context = getattr(model.config, "max_position_embeddings", None)
     beyond = [length for length in lengths if context and length > context]
     if beyond:
