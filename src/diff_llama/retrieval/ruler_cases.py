@@ -72,7 +72,10 @@ def build_cell(tokenizer, task: str, length: int, count: int, seed: int) -> list
                 prepare_niah.get_haystack(type_haystack=parameters["type_haystack"]), max_seq_length=length,
                 template=niah_utils.TEMPLATE, num_samples=count, TOKENIZER=tokenizer, **parameters)
     except ValueError as error:  # lm-eval's: the length cannot hold the prompt and the answer
-        raise UserError(f"{task} at {length} tokens: {' '.join(str(error).split())}") from None
+        # Its advice names its own parameter (max_seq_lengths); the option here is --lengths.
+        reason = " ".join(str(error).split()).split(" Raise ")[0].rstrip(".")
+        raise UserError(f"{task} at {length} tokens: {reason}; give a longer --lengths, or drop {task} from "
+                        "--tasks.") from None
     finally:
         random.setstate(state)
     return [{"id": f"{task}/{length}/{sample['index']}", "task": task, "length": length, "index": sample["index"],
