@@ -265,6 +265,8 @@ def test_convert_removes_the_hidden_folders_of_a_killed_run_and_says_so(tmp_path
         folder.mkdir()
         (folder / "model-00001-of-00003.safetensors").write_bytes(b"half")
     (strange / "notes.txt").write_text("mine")
+    (killed / "additional_chat_templates").mkdir()  # the converter writes this folder too
+    (killed / "additional_chat_templates" / "tool_use.jinja").write_text("TOOL")
     long_ago = time.time() - 7200
     for path in (older / "model-00001-of-00003.safetensors", older):
         os.utime(path, (long_ago, long_ago))

@@ -425,8 +425,7 @@ def _is_abandoned(kind: str, name: str, folder: Path) -> bool:
     entries = [entry.name for entry in folder.iterdir()]
     if kind == "old" and entries != ["old"]:
         return False
-    if kind == "partial" and not all(any(fnmatch.fnmatchcase(entry, pattern) for pattern in PROJECT_FILES)
-                                     for entry in entries):
+    if kind == "partial" and not all(_is_project_entry(folder / entry) for entry in entries):
         return False  # holds something our runs do not write: not ours to remove
     named = re.fullmatch(r"(?P<host>.+)-(?P<pid>\d+)-[a-z0-9_]{8}", name)
     if named and named["host"] == socket.gethostname():
