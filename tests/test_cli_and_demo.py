@@ -158,6 +158,15 @@ def test_version_and_option_spellings(capsys):
     assert conversion.diff_version == 1 and conversion.evaluate is False
 
 
+def test_an_output_quoted_past_the_shell_is_expanded_as_model_paths_are(tmp_path, monkeypatch):
+    """`diff-llama convert SRC "~/out"` made a folder named `~` in the working directory."""
+    from diff_llama_cli import parse
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert parse("convert", ["s", "~/out"])[1] == str(tmp_path / "out")
+    assert parse("evaluate", ["a", "--output", "~/eval"])[1].output == str(tmp_path / "eval")
+
+
 @pytest.mark.parametrize("command", [["generate", "{missing}", "Hello"], ["attention-map", "{missing}", "--text", "x",
                                      "--layer", "0"], ["train", "{missing}", "--data", "{missing}", "--output", "{out}"],
                                      ["recover", "{missing}", "--output", "{out}", "--source", "{missing}"],

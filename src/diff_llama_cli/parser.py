@@ -5,6 +5,7 @@ defaults to True also gets `--no-NAME`). A mistyped option is refused in one lin
 import argparse
 import dataclasses
 import difflib
+import os
 import types
 import typing
 
@@ -184,6 +185,8 @@ def parse(name: str, argv) -> list:
     """The positional values and option dataclasses of command `name` from `argv`; `--help` exits (code 0)."""
     parser = build_parser(name)
     values = vars(parser.parse_args(_expand_options(parser, name, argv)))
+    if isinstance(values.get("output"), str):  # "~/out" quoted past the shell, as model paths already are
+        values["output"] = os.path.expanduser(values["output"])
     command = COMMANDS[name]
     result = [values.pop(positional) for positional, *_ in command.positionals]
     for options_class in command.options:

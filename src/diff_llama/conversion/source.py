@@ -137,7 +137,7 @@ class SafetensorsSource(LlamaSource):
         with open(file, "rb", buffering=0) as handle:
             handle.seek(offset)
             if handle.readinto(buffer) != length:
-                raise ConversionError(f"{file.name} ended while reading {name}: the shard is truncated. Download it again.")
+                raise ConversionError(f"{file} ended while reading {name}: the shard is truncated. Download it again.")
         return torch.frombuffer(buffer, dtype=TORCH_DTYPES[dtype]).reshape(shape)
 
     def tensor_info(self, name: str) -> tuple[tuple, str]:
@@ -151,7 +151,7 @@ def _read_safetensors_header(file: Path) -> dict:
     Tensors are then read with plain file reads rather than through safetensors' memory map: a mapped checkpoint's
     pages stay in the process's resident memory, which would grow to the whole model while we stream it.
     """
-    truncated = ConversionError(f"{file.name} is truncated or corrupt (its safetensors header does not fit the file). "
+    truncated = ConversionError(f"{file} is truncated or corrupt (its safetensors header does not fit the file). "
                                 "Download it again.")
     size = file.stat().st_size
     with open(file, "rb") as handle:
