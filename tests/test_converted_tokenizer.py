@@ -87,6 +87,8 @@ def test_every_tokenizer_file_named_chat_template_and_licence_travels(tmp_path, 
     assert converted.apply_chat_template(chat, chat_template="tool_use", tokenize=False) == "TOOL:hi"
     assert {name: (out / name).read_text() for name in licences} == licences
     assert not (out / "notes.txt").exists()
+    from diff_llama.output_folder import foreign_entries
+    assert foreign_entries(out) == []  # all of it counts as ours: a later convert --overwrite replaces it
 
 
 def test_a_hub_snapshot_fetches_what_the_conversion_copies(tmp_path, tokenizer, monkeypatch):

@@ -29,20 +29,20 @@ import time
 from pathlib import Path
 
 from .configuration_diff_llama import REMOTE_CODE_FILES
-from .conversion.source import CHAT_TEMPLATES_FOLDER, LICENSE_FILE_STEMS, TOKENIZER_FILES
+from .conversion.source import CHAT_TEMPLATES_FOLDER, TOKENIZER_FILES, is_license_file
 from .errors import Interrupted, OutputExistsError, OutputNotWritableError
 
 # Written into every folder that evaluate, ruler, demo, attention-map and adapt create: the folder is ours to replace.
 MARKER = ".diff-llama-output"
 
-# Every file name the commands write at the top of an output folder (model, remote code, tokenizer and licence files,
-# reports, plots). A folder whose entries all match (and whose subfolders are ours: `PROJECT_FOLDERS`) is one
-# `--overwrite` may replace, when it also carries a sign of ours. Patterns only where a command writes numbered names.
+# Every file name the commands write at the top of an output folder (model, remote code and tokenizer files, reports,
+# plots; and the licence texts the converter copies, `is_license_file`). A folder whose entries all match (and whose
+# subfolders are ours: `PROJECT_FOLDERS`) is one `--overwrite` may replace, when it also carries a sign of ours.
+# Patterns only where a command writes numbered names.
 PROJECT_FILES = (
     MARKER, ".partial", "config.json", "generation_config.json", "model.safetensors",
     "model-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9].safetensors", "model.safetensors.index.json",
     *REMOTE_CODE_FILES, "README.md", "conversion_report.json", *TOKENIZER_FILES, "*.tiktoken",
-    *(stem + suffix for stem in LICENSE_FILE_STEMS for suffix in ("", ".txt", ".md")),
     "retrieval.json", "retrieval.md", "retrieval.png", "cases.jsonl", "layer[0-9]*-head*.png",
     "ruler_cases.json", "ruler.json", "ruler.md",
     "adapt.json", "adapt.png",
@@ -95,7 +95,7 @@ def _is_project_entry(entry: Path) -> bool:
     if entry.is_symlink():
         return False
     if entry.is_file():
-        return any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in PROJECT_FILES)
+        return is_license_file(entry.name) or any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in PROJECT_FILES)
     for name, (sign, contents) in PROJECT_FOLDERS.items():
         if entry.is_dir() and fnmatch.fnmatchcase(entry.name, name) and (sign is None or (entry / sign).is_file()):
             return all(each.is_file() and not each.is_symlink()
@@ -360,8 +360,8 @@ class AtomicOutputFolder:
             kept = Path(tempfile.mkdtemp(prefix=f"{self.output.name}.finished-", dir=self.output.parent))
             os.replace(self.path, kept)
             raise OutputExistsError(f"{self.output} was made or changed while this command ran, so it is left as it "
-                                    f"is ({str(error).rstrip('.')}); the finished output is in {kept}: move it where you want it"
-                                    ) from None
+                                    f"is ({str(error).rstrip('.')}); the finished output is in {kept}: move it where "
+                                    "you want it") from None
 
     def __enter__(self) -> Path:
         try:

@@ -40,9 +40,13 @@ def side_files(folder: Path) -> list[Path]:
     found = [Path(name) for name in TOKENIZER_FILES if (folder / name).is_file()]
     found += [path.relative_to(folder) for pattern in TOKENIZER_FILE_PATTERNS for path in sorted(folder.glob(pattern))]
     found += [path.relative_to(folder) for path in sorted((folder / CHAT_TEMPLATES_FOLDER).glob("*.jinja"))]
-    found += [Path(path.name) for path in sorted(folder.iterdir())
-              if path.is_file() and path.name.upper().split(".")[0] in LICENSE_FILE_STEMS]
+    found += [Path(path.name) for path in sorted(folder.iterdir()) if path.is_file() and is_license_file(path.name)]
     return found
+
+
+def is_license_file(name: str) -> bool:
+    """Whether a file name is a licence text that `side_files` copies (and an output folder then holds as ours)."""
+    return name.upper().split(".")[0] in LICENSE_FILE_STEMS
 
 
 class LlamaSource:
