@@ -267,6 +267,7 @@ def test_adapt_command_saves_a_model_that_reloads(tmp_path, chat_tokenizer, caps
     source = tmp_path / "source"
     tiny_model(vocab_size=len(chat_tokenizer), max_position_embeddings=1024).save_pretrained(source)
     chat_tokenizer.save_pretrained(source)
+    (source / "LICENSE.txt").write_text("the source's licence")
     output = tmp_path / "adapted"
     flags = ["--max-steps", "2", "--eval-every", "0", "--autocast", "none"]
     for key, value in SMALL.items():
@@ -277,6 +278,7 @@ def test_adapt_command_saves_a_model_that_reloads(tmp_path, chat_tokenizer, caps
     assert not torch.equal(reloaded.model.layers[0].self_attn.q_proj.weight,
                            AutoModelForCausalLM.from_pretrained(source).model.layers[0].self_attn.q_proj.weight)
     assert {"adapt.json", "adapt.png", "config.json", "model.safetensors"} <= {p.name for p in output.iterdir()}
+    assert (output / "LICENSE.txt").read_text() == "the source's licence"  # a derivative carries it
     assert not (output / ".partial").exists()
     with pytest.raises(FileExistsError, match="not empty; choose a new folder, or pass --overwrite to replace it"):
         main([str(source), str(output), *flags])

@@ -154,6 +154,29 @@ def test_gguf_licence_is_read_from_its_metadata():
     assert _gguf_license(path) == {"license": "apache-2.0"}  # read from the file's general.license, not a table
 
 
+def test_licence_texts_come_from_a_model_folder_or_an_adapters_local_base(tmp_path):
+    from diff_llama.resolve import copy_license_files
+
+    base, adapter, out, out2, out3 = (tmp_path / name for name in ("base", "adapter", "out", "out2", "out3"))
+    for folder in (base, adapter, out, out2, out3):
+        folder.mkdir()
+    (base / "config.json").write_text("{}")
+    (base / "LICENSE").write_text("the base's licence")
+    (base / "use_policy.md").write_text("its use policy")
+    (base / "LICENSE_NOTES.py").write_text("not a licence text")  # the stem is LICENSE_NOTES
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base)}))
+    copy_license_files(adapter, out)  # the adapter has none: its base's
+    assert {p.name: p.read_text() for p in out.iterdir()} == {"LICENSE": "the base's licence",
+                                                              "use_policy.md": "its use policy"}
+    (adapter / "NOTICE").write_text("the adapter's notice")
+    copy_license_files(adapter, out2)
+    assert [p.name for p in out2.iterdir()] == ["NOTICE"]  # its own, when it has any
+    (tmp_path / "weights.gguf").write_bytes(b"GGUF" + bytes(28))
+    pytest.importorskip("gguf")
+    copy_license_files(tmp_path / "weights.gguf", out3)
+    assert not any(out3.iterdir())  # a GGUF file's folder is not the model's: nothing taken from beside it
+
+
 def test_license_file_is_apache_2_and_ships_in_sdist_and_wheel(tmp_path):
     text = (ROOT / "LICENSE").read_text()
     assert text.lstrip().startswith("Apache License") and "Version 2.0, January 2004" in text

@@ -393,10 +393,12 @@ def test_a_lora_run_loads_wherever_a_model_does(tmp_path, saved_model, capsys, m
 def test_train_command_lora_merge_and_bad_data(tmp_path, saved_model, capsys):
     text = tmp_path / "text.txt"
     text.write_text(SAMPLE_TEXT)
+    (saved_model / "NOTICE").write_text("the base's notice")
     out = tmp_path / "merged"
     assert main(["train", str(saved_model), "--data", str(text), "--output", str(out), "--lora", "--merge",
                  "--max-steps", "2", "--block-size", "32", "--no-monitor"]) == 0
     assert not (out / "adapter_config.json").exists() and (out / "model.safetensors").exists()
+    assert (out / "NOTICE").read_text() == "the base's notice"  # a derivative carries its source's licence texts
     base, merged = load_file(saved_model / "model.safetensors"), load_file(out / "model.safetensors")
     assert base.keys() == merged.keys()  # a plain model again, λ under the built-in names
     name = "model.layers.0.self_attn.q_proj.weight"
@@ -434,6 +436,7 @@ def test_lambda_floor_penalty_is_zero_only_above_the_floor():
                                          (True, ["--minutes", "0.03"])])
 def test_recover_command_distils_from_the_source(tmp_path, tokenizer, lora, budget, capsys):
     source = make_llama(tmp_path / "llama", tokenizer)
+    (source / "LICENSE").write_text("the LLaMA's licence")
     converted = tmp_path / "diff"
     assert main(["convert", str(source), str(converted), "--diff-version", "1", "--calibration-tokens", "1024",
                  "--eval-tokens", "1024"]) == 0
@@ -465,6 +468,7 @@ def test_recover_command_distils_from_the_source(tmp_path, tokenizer, lora, budg
     recovered = AutoModelForCausalLM.from_pretrained(out)
     torch.testing.assert_close(recovered.get_lambdas(), torch.tensor(report["lambdas"]))
     assert "after recovery" in (out / "README.md").read_text()
+    assert (out / "LICENSE").read_text() == "the LLaMA's licence"  # through the conversion, to the recovered model
 
 
 def test_recover_with_autocast_runs_the_source_in_it_too(tmp_path, tokenizer, monkeypatch):

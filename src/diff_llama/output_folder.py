@@ -29,15 +29,17 @@ import time
 from pathlib import Path
 
 from .configuration_diff_llama import REMOTE_CODE_FILES
-from .conversion.source import CHAT_TEMPLATES_FOLDER, TOKENIZER_FILES, is_license_file
+from .conversion.source import CHAT_TEMPLATES_FOLDER, TOKENIZER_FILES
 from .errors import Interrupted, OutputExistsError, OutputNotWritableError
+from .resolve import is_license_file
 
 # Written into every folder that evaluate, ruler, demo, attention-map and adapt create: the folder is ours to replace.
 MARKER = ".diff-llama-output"
 
 # Every file name the commands write at the top of an output folder (model, remote code and tokenizer files, reports,
-# plots; and the licence texts the converter copies, `is_license_file`). A folder whose entries all match (and whose
-# subfolders are ours: `PROJECT_FOLDERS`) is one `--overwrite` may replace, when it also carries a sign of ours.
+# plots; and the licence texts every model written carries on, `is_license_file`). A folder whose entries all match
+# (and whose subfolders are ours: `PROJECT_FOLDERS`) is one `--overwrite` may replace, when it also carries a sign of
+# ours.
 # Patterns only where a command writes numbered names.
 PROJECT_FILES = (
     MARKER, ".partial", "config.json", "generation_config.json", "model.safetensors",

@@ -348,6 +348,9 @@ def recover(model_path: str, options: RecoveryOptions) -> dict:
     conversion_report = Path(model_path) / "conversion_report.json"
     if conversion_report.exists():  # keeps the model's history together for its card
         shutil.copy(conversion_report, output_dir / "conversion_report.json")
+    from .resolve import copy_license_files
+
+    copy_license_files(model_path, output_dir)
     write_model_card(output_dir)
     give_weights_the_usual_permissions(output_dir)
     return report

@@ -37,6 +37,9 @@ TOKENIZER_FILE_NAMES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
     "vocab.json", "vocab.txt", "merges.txt", "tekken.json",
 )
+# The licence texts a derivative must carry (the Llama community licences ask for a copy of the agreement), matched
+# by name in any case: LICENSE, LICENSE.txt, LICENCE.md, NOTICE, USE_POLICY.md, ...
+LICENSE_FILE_STEMS = ("LICENSE", "LICENCE", "NOTICE", "USE_POLICY")
 
 
 @dataclass(frozen=True)
@@ -368,6 +371,38 @@ def load_model(name: str | os.PathLike, dtype: str = "float32", device: str = "c
 # How a tokenizer was loaded, which `save_pretrained` writes back into tokenizer_config.json (transformers 5.23) and
 # which would then apply wherever the folder goes: `local_files_only` would keep a Hub copy from ever downloading.
 _LOAD_TIME_KEYS = ("local_files_only", "is_local")
+
+
+def is_license_file(name: str) -> bool:
+    """Whether a file name is a licence text, which every model this project writes carries on from its source (and
+    an output folder then holds as ours)."""
+    return name.upper().split(".")[0] in LICENSE_FILE_STEMS
+
+
+def license_files(folder: str | os.PathLike) -> list[Path]:
+    """The licence texts directly in `folder`, by name."""
+    folder = Path(folder)
+    return [path for path in sorted(folder.iterdir()) if path.is_file() and is_license_file(path.name)]
+
+
+def copy_license_files(name: str | os.PathLike, folder: str | os.PathLike) -> None:
+    """Copy the licence texts of the model `name` into `folder`, the model trained from it, as the converter does: a
+    local model folder's, or for a LoRA adapter folder without any, its local base model's. A GGUF file's folder may
+    be anyone's downloads, and a Hub model's files are not fetched for this: neither gives any."""
+    import shutil
+
+    location = resolve_model(name)
+    if not location.is_local or location.gguf_file:
+        return
+    found = license_files(location.name_or_path)
+    if not found and location.is_adapter:
+        try:
+            base = Path(adapter_base(location)).expanduser()
+        except AdapterFolderError:
+            return
+        found = license_files(base) if base.is_dir() else []
+    for path in found:
+        shutil.copyfile(path, Path(folder) / path.name)
 
 
 def save_tokenizer(tokenizer, folder: str | os.PathLike) -> None:

@@ -478,10 +478,11 @@ def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> P
         trainer.save_model(str(output_dir))
     if not trainer.is_world_process_zero():
         return output_dir
-    if not (options.lora and options.merge):
-        from .resolve import save_tokenizer
+    from .resolve import copy_license_files, save_tokenizer
 
+    if not (options.lora and options.merge):
         save_tokenizer(tokenizer, output_dir)
+    copy_license_files(model_path, output_dir)
     history = trainer.state.log_history
     (output_dir / "training_log.json").write_text(json.dumps(history, indent=1) + "\n")
     plot_training_loss(history, output_dir / "training_loss.png")

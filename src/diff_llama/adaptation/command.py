@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from ..errors import InputNotFoundError, UserError
-from ..resolve import load_model, release_gguf_quantizer, save_tokenizer
+from ..resolve import copy_license_files, load_model, release_gguf_quantizer, save_tokenizer
 from ..retrieval.evaluate import refuse_past_learned_positions
 from .examples import RetrievalExamples
 from .settings import AdaptationOptions, check_options
@@ -70,6 +70,7 @@ def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: st
             return 0
         if options.save:
             save_model(model, tokenizer, output)
+            copy_license_files(model_name, output)
         give_weights_the_usual_permissions(output)  # the model's and the checkpoints'
     first, last, steps = history["probes"][0], history["probes"][-1], len(history["steps"])
     print(f"{name}: {steps} step{'' if steps == 1 else 's'} in {history['train_minutes']:.1f} training minutes; probe "

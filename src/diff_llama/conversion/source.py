@@ -13,8 +13,8 @@ import torch
 from huggingface_hub.repocard import metadata_load
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from ..resolve import (TOKENIZER_FILE_NAMES, ModelNotFoundError, adapter_refusal, check_hub_model, is_adapter_folder,
-                       resolve_model)
+from ..resolve import (LICENSE_FILE_STEMS, TOKENIZER_FILE_NAMES, ModelNotFoundError, adapter_refusal, check_hub_model,
+                       is_adapter_folder, license_files, resolve_model)
 from .errors import ConversionError
 
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM"}
@@ -29,9 +29,6 @@ TOKENIZER_FILES = (
 )
 TOKENIZER_FILE_PATTERNS = ("*.tiktoken",)
 CHAT_TEMPLATES_FOLDER = "additional_chat_templates"
-# The licence texts a derivative must carry (the Llama community licences ask for a copy of the agreement), matched
-# by name in any case: LICENSE, LICENSE.txt, LICENCE.md, NOTICE, USE_POLICY.md, ...
-LICENSE_FILE_STEMS = ("LICENSE", "LICENCE", "NOTICE", "USE_POLICY")
 
 
 def side_files(folder: Path) -> list[Path]:
@@ -40,13 +37,8 @@ def side_files(folder: Path) -> list[Path]:
     found = [Path(name) for name in TOKENIZER_FILES if (folder / name).is_file()]
     found += [path.relative_to(folder) for pattern in TOKENIZER_FILE_PATTERNS for path in sorted(folder.glob(pattern))]
     found += [path.relative_to(folder) for path in sorted((folder / CHAT_TEMPLATES_FOLDER).glob("*.jinja"))]
-    found += [Path(path.name) for path in sorted(folder.iterdir()) if path.is_file() and is_license_file(path.name)]
+    found += [Path(path.name) for path in license_files(folder)]
     return found
-
-
-def is_license_file(name: str) -> bool:
-    """Whether a file name is a licence text that `side_files` copies (and an output folder then holds as ours)."""
-    return name.upper().split(".")[0] in LICENSE_FILE_STEMS
 
 
 class LlamaSource:
