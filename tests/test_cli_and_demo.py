@@ -242,6 +242,25 @@ def test_a_bugs_exception_keeps_its_traceback_with_exit_code_1(tmp_path, monkeyp
         main(argv)
 
 
+def test_an_error_during_a_progress_bar_starts_a_line_of_its_own(tmp_path, monkeypatch, capsys):
+    import diff_llama.demo
+    from tqdm.auto import tqdm
+
+    from diff_llama.errors import UserError
+
+    def fails_half_way(*args, **kwargs):  # a bar updated by hand, as adapt's: it lives on in the traceback
+        bar = tqdm(total=4, desc="training")
+        bar.update(2)
+        raise UserError("step 2 cannot work; give another one.")
+
+    monkeypatch.setattr(diff_llama.demo, "run_demo", fails_half_way)
+    capsys.readouterr()
+    assert main(["demo", "--steps", "1", "--output", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert "training:  50%" in err
+    assert "\ndiff-llama demo: error: step 2 cannot work; give another one.\n" in err  # not after the bar, on its line
+
+
 def test_options_are_judged_while_parsing_in_one_line(capsys):
     err = _fails_in_one_line(capsys, ["recover", "m", "--output", "o", "--data", "t.txt", "--generate", "10"])
     assert err == "diff-llama recover: error: give either --data or --generate, not both."

@@ -76,7 +76,7 @@ def _run(argv) -> int:
 
 
 def _close_progress_bars() -> None:
-    """Close the progress bars a Ctrl-C left open, so that the line saying so starts a line of its own."""
+    """Close the progress bars a Ctrl-C or an error left open, so that the line saying so starts a line of its own."""
     tqdm = getattr(sys.modules.get("tqdm.std"), "tqdm", None)  # loaded only if a bar was ever made
     for bar in list(getattr(tqdm, "_instances", ())):
         bar.close()
@@ -96,6 +96,7 @@ def main(argv=None) -> int:
     except Exception as error:
         if os.environ.get("DIFF_LLAMA_TRACEBACK", "") not in ("", "0"):
             raise
+        _close_progress_bars()
         if isinstance(error, errors.UserError):
             print(f"{prefix}: error: {' '.join(str(error).split())}", file=sys.stderr)
             return 2
