@@ -39,8 +39,7 @@ MARKER = ".diff-llama-output"
 # Every file name the commands write at the top of an output folder (model, remote code and tokenizer files, reports,
 # plots; and the licence texts every model written carries on, `is_license_file`). A folder whose entries all match
 # (and whose subfolders are ours: `PROJECT_FOLDERS`) is one `--overwrite` may replace, when it also carries a sign of
-# ours.
-# Patterns only where a command writes numbered names.
+# ours. Patterns only where a command writes numbered names.
 PROJECT_FILES = (
     MARKER, ".partial", "config.json", "generation_config.json", "model.safetensors",
     "model-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9].safetensors", "model.safetensors.index.json",

@@ -8,6 +8,7 @@ when the Hub cannot be asked, it loads from the cache, offline, or fails in one 
 
 import contextlib
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -389,8 +390,6 @@ def copy_license_files(name: str | os.PathLike, folder: str | os.PathLike) -> No
     """Copy the licence texts of the model `name` into `folder`, the model trained from it, as the converter does: a
     local model folder's, or for a LoRA adapter folder without any, its local base model's. A GGUF file's folder may
     be anyone's downloads, and a Hub model's files are not fetched for this: neither gives any."""
-    import shutil
-
     location = resolve_model(name)
     if not location.is_local or location.gguf_file:
         return
