@@ -341,6 +341,26 @@ def test_a_text_file_that_is_not_text_is_one_line_and_writes_nothing(tmp_path, l
     assert not out.exists()
 
 
+@pytest.mark.parametrize("argv,says", [
+    (["--eval-tokens", "256"], "one eval sequence takes 513 tokens (--seq-len 512) and --eval-tokens is 256: raise it "
+                               "to 513 or more, or lower --seq-len"),
+    (["--diff-version", "1", "--calibration-tokens", "100", "--seq-len", "128"],
+     "one calibration sequence takes 128 tokens (--seq-len 128) and --calibration-tokens is 100: raise it to 128 or "
+     "more, or lower --seq-len"),
+    (["--eval-text", "SHORT"], "one eval sequence takes 513 tokens (--seq-len 512) and the eval text has 3: give a "
+                               "longer --eval-text, or lower --seq-len"),
+])
+def test_too_few_tokens_for_one_sequence_names_the_option_to_change(tmp_path, llama_dir, capsys, argv, says):
+    short = tmp_path / "short.txt"
+    short.write_text("abc")  # the test tokenizer: one token a character
+    argv = [str(short) if arg == "SHORT" else arg for arg in argv]
+    capsys.readouterr()
+    out = tmp_path / "diff"
+    assert main(["convert", str(llama_dir), str(out), *argv]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"diff-llama convert: error: {says}"
+    assert not out.exists()
+
+
 def test_paper_lambda_start_and_user_calibration_text(tmp_path, llama_dir, tokenizer):
     text = tmp_path / "calibration.txt"
     text.write_text("Attention is all you need, said the transformer to the recurrent network. " * 200)

@@ -63,12 +63,17 @@ def fold_head_norm_gain(o_proj: torch.Tensor, eps: float, lambda_init: float) ->
     return o_proj * (math.sqrt(eps) / (1 - lambda_init))
 
 
-def _sequences(ids: torch.Tensor, seq_len: int, max_tokens: int, plus_one: bool) -> torch.Tensor:
+def _sequences(ids: torch.Tensor, seq_len: int, max_tokens: int, plus_one: bool, stream: str) -> torch.Tensor:
+    """Sequences of `seq_len` tokens (plus the next one, to score it, with `plus_one`) from the first `max_tokens` of
+    `ids`; `stream` (calibration, eval) names the options that set them, for the error when not one fits."""
     count = min(max_tokens, len(ids) - int(plus_one)) // seq_len
     if count < 1:
-        usable = min(max_tokens, len(ids))
-        raise UserError(f"need at least {seq_len + int(plus_one)} tokens of text (one sequence), got {usable}: "
-                        "raise the token count or give a longer text")
+        needed = seq_len + int(plus_one)
+        if max_tokens < needed:
+            raise UserError(f"one {stream} sequence takes {needed} tokens (--seq-len {seq_len}) and --{stream}-tokens "
+                            f"is {max_tokens}: raise it to {needed} or more, or lower --seq-len")
+        raise UserError(f"one {stream} sequence takes {needed} tokens (--seq-len {seq_len}) and the {stream} text has "
+                        f"{len(ids)}: give a longer --{stream}-text, or lower --seq-len")
     width = seq_len + int(plus_one)
     return torch.stack([ids[i * seq_len : i * seq_len + width] for i in range(count)])
 
@@ -88,9 +93,9 @@ class LayerwiseRunner:
         self.source_rope = LlamaRotaryEmbedding(source_config)(probe, positions)
         self.diff_rope = DiffLlamaRotaryEmbedding(diff_config)(probe, positions)
         if self.calibrating:
-            self.calibration = embed[_sequences(calibration_ids, seq_len, calibration_tokens, False)]
+            self.calibration = embed[_sequences(calibration_ids, seq_len, calibration_tokens, False, "calibration")]
         if self.evaluating:
-            windows = _sequences(held_out_ids, seq_len, eval_tokens, True)
+            windows = _sequences(held_out_ids, seq_len, eval_tokens, True, "eval")
             self.eval_targets = windows[:, 1:]
             self.eval_source = embed[windows[:, :-1]]
             self.eval_converted = self.eval_source.clone()
