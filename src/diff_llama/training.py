@@ -32,6 +32,7 @@ from transformers import TrainerCallback
 
 from .corpus import read_text_file
 from .errors import InputNotFoundError, Interrupted, OutputExistsError, UserError
+from .model_card import TRAINING_REPORT, lineage, write_model_card
 from .options import FineTuneOptions, TrainingRunOptions
 
 from .conversion.base import ATTENTION_PROJECTIONS
@@ -419,6 +420,25 @@ class LogLastStep(TrainerCallback):
             control.should_log = True
 
 
+def training_report(model_path: str, options: FineTuneOptions, state, learning_rate: float) -> dict:
+    """What the model card of a fine-tuned model says of its training (`model_card.TRAINING_REPORT`): the model it
+    was trained from and that model's lineage, the data by name only (a path means nothing elsewhere), the budget,
+    the method and the logged training losses."""
+    losses = [entry["loss"] for entry in state.log_history if "loss" in entry]
+    runtime = next((entry["train_runtime"] for entry in reversed(state.log_history) if "train_runtime" in entry), 0)
+    return {"finetuned_from": lineage(model_path), "data": Path(options.data).expanduser().resolve().name,
+            "steps": state.global_step, "epochs": state.epoch, "train_minutes": runtime / 60,
+            "lora": options.lora, "lora_rank": options.lora_rank if options.lora else None, "merged": options.merge,
+            "learning_rate": learning_rate, "batch_size": options.batch_size,
+            "gradient_accumulation": options.gradient_accumulation, "block_size": options.block_size,
+            "losses": losses}
+
+
+def is_diff_llama_model(folder: Path) -> bool:
+    config = folder / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") == "diff_llama"
+
+
 def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> Path:
     """Fine-tune `model_path` on the text at `options.data` (the engine of `diff-llama train`); returns the output
     folder. `callbacks`: extra `TrainerCallback`s.
@@ -485,6 +505,10 @@ def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> P
     copy_license_files(model_path, output_dir)
     history = trainer.state.log_history
     (output_dir / "training_log.json").write_text(json.dumps(history, indent=1) + "\n")
+    (output_dir / TRAINING_REPORT).write_text(
+        json.dumps(training_report(model_path, options, trainer.state, learning_rate), indent=1) + "\n")
+    if is_diff_llama_model(output_dir):  # a model push can publish (not an adapter, not a plain LLaMA)
+        write_model_card(output_dir)
     plot_training_loss(history, output_dir / "training_loss.png")
     if options.monitor and any("diff_attn/mean_abs_lambda" in e for e in history):
         plot_differential_attention(history, output_dir / "differential_attention.png")

@@ -287,7 +287,7 @@ def source_license(source: LlamaSource) -> dict:
     if source.description.endswith(".gguf"):
         return _gguf_license(Path(source.description))
     if source.folder is not None:
-        return _card_license(source.folder / "README.md")
+        return card_license(source.folder / "README.md")
     return {}
 
 
@@ -332,7 +332,8 @@ def _gguf_fields(path: Path) -> dict:
         return {}
 
 
-def _card_license(readme: Path) -> dict:
+def card_license(readme: Path) -> dict:
+    """The licence a model card's metadata states, as `source_license` gives it; empty when it states none."""
     if not readme.is_file():
         return {}
     try:
