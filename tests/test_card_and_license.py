@@ -105,6 +105,11 @@ def test_card_of_a_gguf_conversion_says_how_its_weights_were_stored(tmp_path, to
     assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert getattr(card.data, "base_model_relation", None) is None and "base_model_relation" not in str(card)
     assert 'from_pretrained("alice/SmolLM2-diff", trust_remote_code=True)' in text and str(tmp_path) not in text
+    # Training after the conversion leaves the GGUF's rounding in the weights: a fine-tuned model's card says it too.
+    from diff_llama.model_card import lineage
+
+    upstream = lineage(str(out))
+    assert upstream["gguf_note"] == says and upstream["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def test_the_gguf_type_is_read_from_the_file():
@@ -206,6 +211,7 @@ def _train(model: Path, out: Path, text: Path, *extra: str) -> None:
 def test_a_fine_tuned_model_card_tells_its_training_and_carries_its_lineage_licence(tmp_path, tokenizer):
     from conftest import SAMPLE_TEXT
 
+    from diff_llama.model_card import lineage
     from diff_llama.publishing import files_to_upload
 
     source = _source_with_card(tmp_path, tokenizer, "license: other\nlicense_name: llama3.2\nlicense_link: LICENSE")
@@ -231,6 +237,15 @@ def test_a_fine_tuned_model_card_tells_its_training_and_carries_its_lineage_lice
     for stale in ("## Quality", "λ = 0.5", "Nothing was calibrated", "before any training", "## Conversion options"):
         assert stale not in card.text, stale
     assert "training_report.json" in files_to_upload(tuned)
+    report["finetuned_from"]["gguf_note"] = "That file stores Q4_1-quantised weights."  # as from a GGUF's conversion
+    (tuned / "training_report.json").write_text(json.dumps(report))
+    assert "`llama`.\nThat file stores Q4_1-quantised weights.\n" in build_model_card(tuned).text
+
+    # A model fine-tuned from a checkpoint of a run: the run's own record names the model it started from.
+    checkpoint = lineage(str(tuned / "checkpoint-2"))
+    assert checkpoint["license"] == report["finetuned_from"]["license"]
+    assert checkpoint["origin"] == ("a checkpoint of training on `notes.txt` from `diff`, which was converted from "
+                                    "the local LLaMA folder `llama`")
 
     _train(tuned, again, text)  # a model fine-tuned from a fine-tuned one keeps the whole lineage
     card = ModelCard.load(again / "README.md")
@@ -277,5 +292,5 @@ def test_the_lineage_of_a_hub_model_is_its_id_and_the_licence_its_cached_card_st
     assert lineage("alice/tiny-diff") == {
         "name": "[`alice/tiny-diff`](https://huggingface.co/alice/tiny-diff)", "origin": None,
         "base_model": "alice/tiny-diff", "license": {"license": "apache-2.0"},
-        "licensor": "[`alice/tiny-diff`](https://huggingface.co/alice/tiny-diff)"}
+        "licensor": "[`alice/tiny-diff`](https://huggingface.co/alice/tiny-diff)", "gguf_note": None}
     assert lineage("smollm2")["license"] == {}  # not a repository id: nothing to look up

@@ -68,7 +68,8 @@ def lineage(model: str) -> dict:
     - `name`: `model` in words (a folder by its name only: its path means nothing elsewhere);
     - `origin`: how `model` came about, a phrase ("converted from ..."), or None where nothing says;
     - `base_model`: the Hub model it descends from, or None;
-    - `license`: the licence it carries, as model-card metadata (empty when unknown), and `licensor`: whose it is.
+    - `license`: the licence it carries, as model-card metadata (empty when unknown), and `licensor`: whose it is;
+    - `gguf_note`: for weights converted from a GGUF file, how that file stored them (`gguf_note`), else None.
     Read from the reports diff-llama leaves in a folder: a fine-tuned folder's own lineage, else its conversion's,
     else the folder's model card. A Hub id's licence is read from its card if the Hub cache holds it (never
     downloaded: a model is trained offline as well)."""
@@ -76,12 +77,22 @@ def lineage(model: str) -> dict:
     if not path.is_dir():
         name = hub_link(model) if base_model_id(model) == model else f"`{Path(model).name}`"
         return {"name": name, "origin": None, "base_model": base_model_id(model), "license": _cached_card_license(model),
-                "licensor": name}
+                "licensor": name, "gguf_note": None}
     name = f"`{path.resolve().name}`"
     training = _read_report(path, TRAINING_REPORT)
     if training:
         earlier = training["finetuned_from"]
         origin = f"fine-tuned on `{training['data']}` from {earlier['name']}"
+        if earlier["origin"]:
+            origin += f", which was {earlier['origin']}"
+        return {**earlier, "name": name, "origin": origin}
+    from .training import RUN_RECORD  # here: training imports this module
+
+    run = _read_report(path, RUN_RECORD)
+    if run:  # a checkpoint-N of `train` or `recover`, which records the model its run started from
+        earlier = lineage(run["model"])
+        data = f" on `{Path(run['data']).name}`" if run.get("data") else ""
+        origin = f"a checkpoint of training{data} from {earlier['name']}"
         if earlier["origin"]:
             origin += f", which was {earlier['origin']}"
         return {**earlier, "name": name, "origin": origin}
@@ -92,9 +103,10 @@ def lineage(model: str) -> dict:
         recovered = (path / "recovery_report.json").is_file()
         return {"name": name, "origin": f"converted from {source}" + (
                     ", then trained to match it by distillation" if recovered else ""),
-                "base_model": base_model, "license": conversion.get("source_license") or {}, "licensor": source}
+                "base_model": base_model, "license": conversion.get("source_license") or {}, "licensor": source,
+                "gguf_note": gguf_note(conversion)}
     return {"name": name, "origin": None, "base_model": None, "license": card_license(path / "README.md"),
-            "licensor": name}
+            "licensor": name, "gguf_note": None}
 
 
 def _cached_card_license(repo_id: str) -> dict:
@@ -136,6 +148,9 @@ def build_model_card(folder: str | Path, repo_id: str | None = None, location: s
         base_model = base_model_id(conversion["source"]) if conversion else None
         license_metadata = (conversion or {}).get("source_license") or {}  # a derivative carries its source's licence
         licensor = source_text(conversion, base_model) if conversion else None
+    # A GGUF source's quantisation stays in the weights through any training after the conversion.
+    weights_note = training["finetuned_from"].get("gguf_note") if training else (
+        gguf_note(conversion) if conversion else None)
 
     eval_results = []
     quality = (conversion or {}).get("quality") or {}
@@ -163,7 +178,7 @@ def build_model_card(folder: str | Path, repo_id: str | None = None, location: s
         template_str=template,
         model_name=model_name,
         source=source_text(conversion, base_model) if conversion else None,
-        gguf_note=gguf_note(conversion) if conversion else None,
+        gguf_note=weights_note,
         conversion=conversion,
         conversion_notes=conversion_notes(conversion) if conversion else None,
         conversion_options=_applicable_options(conversion) if conversion else None,
