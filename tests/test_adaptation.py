@@ -280,6 +280,15 @@ def test_adapt_command_saves_a_model_that_reloads(tmp_path, chat_tokenizer, caps
     assert {"adapt.json", "adapt.png", "config.json", "model.safetensors"} <= {p.name for p in output.iterdir()}
     assert (output / "LICENSE.txt").read_text() == "the source's licence"  # a derivative carries it
     assert not (output / ".partial").exists()
+    # Its card tells the training (`push` publishes it), with the probe figures that adapt.json holds.
+    history = json.loads((output / "adapt.json").read_text())
+    report = json.loads((output / "training_report.json").read_text())
+    assert report["steps"] == 2 and report["probe_after"] == history["probes"][-1]
+    card = (output / "README.md").read_text()
+    assert "fine-tuned on\nsynthetic multi-needle retrieval examples of" in card and "from `source`." in card
+    assert (f"2 steps ({report['train_minutes'] * 60:.0f} s) of training, learning rate 3e-05; held-out retrieval "
+            f"probe accuracy {history['probes'][0]['accuracy']:.0%} before") in card
+    assert "Unknown: the source (`source`) states no licence" in card  # a LICENSE text, but no licence metadata
     with pytest.raises(FileExistsError, match="not empty; choose a new folder, or pass --overwrite to replace it"):
         main([str(source), str(output), *flags])
     # a finished run has no checkpoint to resume from: the error says so and offers --overwrite, which works

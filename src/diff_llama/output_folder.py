@@ -46,7 +46,7 @@ PROJECT_FILES = (
     *REMOTE_CODE_FILES, "README.md", "conversion_report.json", *TOKENIZER_FILES, "*.tiktoken",
     "retrieval.json", "retrieval.md", "retrieval.png", "cases.jsonl", "layer[0-9]*-head*.png",
     "ruler_cases.json", "ruler.json", "ruler.md",
-    "adapt.json", "adapt.png",
+    "adapt.json", "adapt.png", "training_report.json",
 )
 # The subfolders the commands write, and what may be in them: the converter's named chat templates, and the Trainer's
 # checkpoints (`checkpoint-STEP`, its trainer_state.json the sign; the model, optimizer and RNG states, the tokenizer).

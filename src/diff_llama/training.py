@@ -32,7 +32,7 @@ from transformers import TrainerCallback
 
 from .corpus import read_text_file
 from .errors import InputNotFoundError, Interrupted, OutputExistsError, UserError
-from .model_card import TRAINING_REPORT, lineage, write_model_card
+from .model_card import RUN_RECORD, duration_text, lineage, steps_text, write_training_report
 from .options import FineTuneOptions, TrainingRunOptions
 
 from .conversion.base import ATTENTION_PROJECTIONS
@@ -286,8 +286,6 @@ def base_model_reference(model_path: str) -> str:
     return str(path.resolve()) if path.exists() else str(model_path)
 
 
-# Beside the Trainer's state in each checkpoint: the options of the run, which a --resume must repeat.
-RUN_RECORD = "diff_llama_run.json"
 # What a resumed `train` or `recover` may change: how long it runs, how often it saves and logs, what it writes at the
 # end. Anything else would change what the run trains, or (--lora) could not load its optimizer state.
 RESUMABLE_CHANGES = ("max_steps", "epochs", "minutes", "save_steps", "logging_steps", "eval_minutes", "monitor",
@@ -422,21 +420,25 @@ class LogLastStep(TrainerCallback):
 
 def training_report(model_path: str, options: FineTuneOptions, state, learning_rate: float) -> dict:
     """What the model card of a fine-tuned model says of its training (`model_card.TRAINING_REPORT`): the model it
-    was trained from and that model's lineage, the data by name only (a path means nothing elsewhere), the budget,
-    the method and the logged training losses."""
+    was trained from and that model's lineage, the data by name only (a path means nothing elsewhere), and a sentence
+    on the budget, the method and the logged losses; with those figures as numbers too."""
     losses = [entry["loss"] for entry in state.log_history if "loss" in entry]
     runtime = next((entry["train_runtime"] for entry in reversed(state.log_history) if "train_runtime" in entry), 0)
-    return {"finetuned_from": lineage(model_path), "data": Path(options.data).expanduser().resolve().name,
-            "steps": state.global_step, "epochs": state.epoch, "train_minutes": runtime / 60,
+    method = (f"LoRA (rank {options.lora_rank}{', merged into the weights' if options.merge else ''})" if options.lora
+              else "full fine-tuning")
+    summary = (f"{steps_text(state.global_step)} ({state.epoch:.2f} epochs, {duration_text(runtime / 60)}) of {method}, "
+               f"learning rate {learning_rate:g}, {options.batch_size * options.gradient_accumulation} blocks of "
+               f"{options.block_size} tokens a step")
+    if losses:
+        summary += f"; training loss {losses[0]:.3f} at the first logged step"
+        summary += f", {losses[-1]:.3f} at the last" if len(losses) > 1 else ""
+    data = Path(options.data).expanduser().resolve().name
+    return {"finetuned_from": lineage(model_path), "trained_on": f"`{data}`", "summary": summary + ".",
+            "data": data, "steps": state.global_step, "epochs": state.epoch, "train_minutes": runtime / 60,
             "lora": options.lora, "lora_rank": options.lora_rank if options.lora else None, "merged": options.merge,
             "learning_rate": learning_rate, "batch_size": options.batch_size,
             "gradient_accumulation": options.gradient_accumulation, "block_size": options.block_size,
             "losses": losses}
-
-
-def is_diff_llama_model(folder: Path) -> bool:
-    config = folder / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get("model_type") == "diff_llama"
 
 
 def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> Path:
@@ -505,10 +507,7 @@ def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> P
     copy_license_files(model_path, output_dir)
     history = trainer.state.log_history
     (output_dir / "training_log.json").write_text(json.dumps(history, indent=1) + "\n")
-    (output_dir / TRAINING_REPORT).write_text(
-        json.dumps(training_report(model_path, options, trainer.state, learning_rate), indent=1) + "\n")
-    if is_diff_llama_model(output_dir):  # a model push can publish (not an adapter, not a plain LLaMA)
-        write_model_card(output_dir)
+    write_training_report(output_dir, training_report(model_path, options, trainer.state, learning_rate))
     plot_training_loss(history, output_dir / "training_loss.png")
     if options.monitor and any("diff_attn/mean_abs_lambda" in e for e in history):
         plot_differential_attention(history, output_dir / "differential_attention.png")

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from ..errors import InputNotFoundError, UserError
+from ..model_card import duration_text, lineage, steps_text, write_training_report
 from ..resolve import copy_license_files, load_model, release_gguf_quantizer, save_tokenizer
 from ..retrieval.evaluate import refuse_past_learned_positions
 from .examples import RetrievalExamples
@@ -71,6 +72,7 @@ def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: st
         if options.save:
             save_model(model, tokenizer, output)
             copy_license_files(model_name, output)
+            write_training_report(output, adaptation_report(model_name, options, history))
         give_weights_the_usual_permissions(output)  # the model's and the checkpoints'
     first, last, steps = history["probes"][0], history["probes"][-1], len(history["steps"])
     print(f"{name}: {steps} step{'' if steps == 1 else 's'} in {history['train_minutes']:.1f} training minutes; probe "
@@ -78,6 +80,21 @@ def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: st
           f"{last['perplexity']:.2f}")
     print(f"Wrote {output}")
     return 0
+
+
+def adaptation_report(model_name: str, options: AdaptationOptions, history: dict) -> dict:
+    """What the model card of an adapted model says of its training (`model_card.TRAINING_REPORT`), as `train`'s."""
+    first, last, steps = history["probes"][0], history["probes"][-1], len(history["steps"])
+    frozen = f", the first {options.frozen_layers} layers frozen" if options.frozen_layers else ""
+    summary = (f"{steps_text(steps)} ({duration_text(history['train_minutes'])}) of training{frozen}, learning rate "
+               f"{options.learning_rate:g}; held-out retrieval probe accuracy {first['accuracy']:.0%} before, "
+               f"{last['accuracy']:.0%} after, perplexity {first['perplexity']:.2f} before, {last['perplexity']:.2f} "
+               "after.")
+    return {"finetuned_from": lineage(model_name),
+            "trained_on": (f"synthetic multi-needle retrieval examples of {options.min_length} to "
+                           f"{options.max_length} tokens (`diff-llama adapt`)"),
+            "summary": summary, "steps": steps, "train_minutes": history["train_minutes"],
+            "learning_rate": options.learning_rate, "probe_before": first, "probe_after": last}
 
 
 def save_model(model, tokenizer, output: Path) -> None:
