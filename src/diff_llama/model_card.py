@@ -1,6 +1,6 @@
 """The model card of a DiffLlama folder, from the template in `model_cards/` and the reports the tools leave there
 (`conversion_report.json` from `diff-llama convert`, `recovery_report.json` from `diff-llama recover`,
-`training_report.json` from `diff-llama train`)."""
+`training_report.json` from `diff-llama train` and `adapt`)."""
 
 import json
 from importlib import resources
@@ -85,19 +85,11 @@ def lineage(model: str) -> dict:
     name = f"`{path.resolve().name}`"
     training = _read_report(path, TRAINING_REPORT)
     if training:
-        earlier = training["finetuned_from"]
-        origin = f"fine-tuned on {training['trained_on']} from {earlier['name']}"
-        if earlier["origin"]:
-            origin += f", which was {earlier['origin']}"
-        return {**earlier, "name": name, "origin": origin}
+        return _trained_from(training["finetuned_from"], name, f"fine-tuned on {training['trained_on']}")
     run = _read_report(path, RUN_RECORD)
     if run:  # a checkpoint-N of `train` or `recover`, which records the model its run started from
-        earlier = lineage(run["model"])
         data = f" on `{Path(run['data']).name}`" if run.get("data") else ""
-        origin = f"a checkpoint of training{data} from {earlier['name']}"
-        if earlier["origin"]:
-            origin += f", which was {earlier['origin']}"
-        return {**earlier, "name": name, "origin": origin}
+        return _trained_from(lineage(run["model"]), name, f"a checkpoint of training{data}")
     conversion = _read_report(path, "conversion_report.json")
     if conversion:
         base_model = base_model_id(conversion["source"])
@@ -109,6 +101,13 @@ def lineage(model: str) -> dict:
                 "gguf_note": gguf_note(conversion)}
     return {"name": name, "origin": None, "base_model": None, "license": card_license(path / "README.md"),
             "licensor": name, "gguf_note": None}
+
+
+def _trained_from(earlier: dict, name: str, how: str) -> dict:
+    """The lineage of the model `name`, trained (`how`) from a model whose lineage is `earlier`: its licence and Hub
+    model, and a history one phrase longer."""
+    origin = f"{how} from {earlier['name']}" + (f", which was {earlier['origin']}" if earlier["origin"] else "")
+    return {**earlier, "name": name, "origin": origin}
 
 
 def _cached_card_license(repo_id: str) -> dict:
