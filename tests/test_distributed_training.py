@@ -58,6 +58,7 @@ def test_accelerate_launch_ddp_trains_identical_replicas_and_saves_them(tmp_path
     history = json.loads((tmp_path / "out/training_log.json").read_text())
     blocks = len(tokenizer(SAMPLE_TEXT * 4, add_special_tokens=False).input_ids) // 32
     assert abs(history[-1]["epoch"] - 4 * 2 * 2 / blocks) < 1e-3
+    assert "4 blocks of 32 tokens a step" in (tmp_path / "out" / "README.md").read_text()  # the card counts both
     # The saved model (written once, by the main process) reloads with the trained logits.
     reloaded = DiffLlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():

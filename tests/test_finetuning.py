@@ -388,6 +388,13 @@ def test_a_lora_run_loads_wherever_a_model_does(tmp_path, saved_model, capsys, m
                        (["export-builtin", str(adapter), "builtin"], "and export that folder")]:
         assert main(argv) == 2 and refusal + then + "." in capsys.readouterr().err, argv
     assert sorted(p.name for p in elsewhere.iterdir()) == ["eval"]
+    # Loaded as a plain model, the merged one trains as a plain model: every weight (peft froze the base's).
+    assert all(param.requires_grad for param in load_causal_lm(adapter).parameters())
+    assert main(["train", str(adapter), "--data", str(tmp_path / "text.txt"), "--output", "further", "--max-steps", "1",
+                 "--block-size", "32", "--no-monitor"]) == 0
+    further = load_file(elsewhere / "further" / "model.safetensors")
+    assert further.keys() == load_file(saved_model / "model.safetensors").keys()  # a whole model, not an adapter
+    assert "fine-tuned on\n`text.txt` from `lora`" in (elsewhere / "further" / "README.md").read_text()
 
 
 def test_train_command_lora_merge_and_bad_data(tmp_path, saved_model, capsys):

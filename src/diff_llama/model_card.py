@@ -75,7 +75,7 @@ def lineage(model: str) -> dict:
     - `license`: the licence it carries, as model-card metadata (empty when unknown), and `licensor`: whose it is;
     - `gguf_note`: for weights converted from a GGUF file, how that file stored them (`gguf_note`), else None.
     Read from the reports diff-llama leaves in a folder: a fine-tuned folder's own lineage, else its conversion's,
-    else the folder's model card. A Hub id's licence is read from its card if the Hub cache holds it (never
+    else the folder's model card (a report that does not parse, or lacks what is needed, is passed over). A Hub id's licence is read from its card if the Hub cache holds it (never
     downloaded: a model is trained offline as well)."""
     path = Path(model).expanduser()
     if not path.is_dir():
@@ -83,24 +83,45 @@ def lineage(model: str) -> dict:
         return {"name": name, "origin": None, "base_model": base_model_id(model), "license": _cached_card_license(model),
                 "licensor": name, "gguf_note": None}
     name = f"`{path.resolve().name}`"
-    training = _read_report(path, TRAINING_REPORT)
-    if training:
-        return _trained_from(training["finetuned_from"], name, f"fine-tuned on {training['trained_on']}")
-    run = _read_report(path, RUN_RECORD)
-    if run:  # a checkpoint-N of `train` or `recover`, which records the model its run started from
-        data = f" on `{Path(run['data']).name}`" if run.get("data") else ""
-        return _trained_from(lineage(run["model"]), name, f"a checkpoint of training{data}")
-    conversion = _read_report(path, "conversion_report.json")
-    if conversion:
-        base_model = base_model_id(conversion["source"])
-        source = source_text(conversion, base_model)
-        recovered = (path / "recovery_report.json").is_file()
-        return {"name": name, "origin": f"converted from {source}" + (
-                    ", then trained to match it by distillation" if recovered else ""),
-                "base_model": base_model, "license": conversion.get("source_license") or {}, "licensor": source,
-                "gguf_note": gguf_note(conversion)}
+    for read in (_lineage_of_trained, _lineage_of_checkpoint, _lineage_of_conversion):
+        try:
+            found = read(path, name)
+        except (ValueError, KeyError, TypeError, AttributeError):  # a report cut short or edited: the next source
+            found = None
+        if found is not None and LINEAGE_KEYS <= found.keys():
+            return found
     return {"name": name, "origin": None, "base_model": None, "license": card_license(path / "README.md"),
             "licensor": name, "gguf_note": None}
+
+
+LINEAGE_KEYS = {"name", "origin", "base_model", "license", "licensor", "gguf_note"}
+
+
+def _lineage_of_trained(path: Path, name: str) -> dict | None:
+    training = _read_report(path, TRAINING_REPORT)
+    return _trained_from(training["finetuned_from"], name, f"fine-tuned on {training['trained_on']}") if training else None
+
+
+def _lineage_of_checkpoint(path: Path, name: str) -> dict | None:
+    """A checkpoint-N of `train` or `recover`, whose run record names the model the run started from."""
+    run = _read_report(path, RUN_RECORD)
+    if not run:
+        return None
+    data = f" on `{Path(run['data']).name}`" if run.get("data") else ""
+    return _trained_from(lineage(run["model"]), name, f"a checkpoint of training{data}")
+
+
+def _lineage_of_conversion(path: Path, name: str) -> dict | None:
+    conversion = _read_report(path, "conversion_report.json")
+    if not conversion:
+        return None
+    base_model = base_model_id(conversion["source"])
+    source = source_text(conversion, base_model)
+    recovered = (path / "recovery_report.json").is_file()
+    return {"name": name, "origin": f"converted from {source}" + (
+                ", then trained to match it by distillation" if recovered else ""),
+            "base_model": base_model, "license": conversion.get("source_license") or {}, "licensor": source,
+            "gguf_note": gguf_note(conversion)}
 
 
 def _trained_from(earlier: dict, name: str, how: str) -> dict:

@@ -310,7 +310,12 @@ def load_causal_lm(name: str | os.PathLike, **kwargs):
     from peft import PeftModel
 
     base = load_causal_lm(adapter_base(location), **kwargs)
-    return PeftModel.from_pretrained(base, location.name_or_path).merge_and_unload()
+    merged = PeftModel.from_pretrained(base, location.name_or_path).merge_and_unload()
+    # peft froze the base's weights to train the adapter, and merging leaves them frozen: a plain model trains all
+    # (all that can: a quantized base's integer weights cannot require gradients).
+    for param in merged.parameters():
+        param.requires_grad_(param.is_floating_point())
+    return merged
 
 
 def release_gguf_quantizer(model) -> None:

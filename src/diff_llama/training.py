@@ -418,27 +418,28 @@ class LogLastStep(TrainerCallback):
             control.should_log = True
 
 
-def training_report(model_path: str, options: FineTuneOptions, state, learning_rate: float) -> dict:
-    """What the model card of a fine-tuned model says of its training (`model_card.TRAINING_REPORT`): the model it
-    was trained from and that model's lineage, the data by name only (a path means nothing elsewhere), and a sentence
-    on the budget, the method and the logged losses; with those figures as numbers too."""
+def training_report(upstream: dict, options: FineTuneOptions, state, learning_rate: float, processes: int = 1) -> dict:
+    """What the model card of a fine-tuned model says of its training (`model_card.TRAINING_REPORT`): the lineage
+    of the model it was trained from (`model_card.lineage`), the data by name only (a path means nothing elsewhere),
+    and a sentence on the budget, the method and the logged losses; with those figures as numbers too. `processes`:
+    how many data-parallel processes trained, each on its own blocks."""
     losses = [entry["loss"] for entry in state.log_history if "loss" in entry]
     runtime = next((entry["train_runtime"] for entry in reversed(state.log_history) if "train_runtime" in entry), 0)
     method = (f"LoRA (rank {options.lora_rank}{', merged into the weights' if options.merge else ''})" if options.lora
               else "full fine-tuning")
+    blocks = options.batch_size * options.gradient_accumulation * processes
     summary = (f"{steps_text(state.global_step)} ({state.epoch:.2f} epochs, {duration_text(runtime / 60)}) of {method}, "
-               f"learning rate {learning_rate:g}, {options.batch_size * options.gradient_accumulation} blocks of "
-               f"{options.block_size} tokens a step")
+               f"learning rate {learning_rate:g}, {blocks} blocks of {options.block_size} tokens a step")
     if losses:
         summary += f"; training loss {losses[0]:.3f} at the first logged step"
         summary += f", {losses[-1]:.3f} at the last" if len(losses) > 1 else ""
     data = Path(options.data).expanduser().resolve().name
-    return {"finetuned_from": lineage(model_path), "trained_on": f"`{data}`", "summary": summary + ".",
+    return {"finetuned_from": upstream, "trained_on": f"`{data}`", "summary": summary + ".",
             "data": data, "steps": state.global_step, "epochs": state.epoch, "train_minutes": runtime / 60,
             "lora": options.lora, "lora_rank": options.lora_rank if options.lora else None, "merged": options.merge,
             "learning_rate": learning_rate, "batch_size": options.batch_size,
-            "gradient_accumulation": options.gradient_accumulation, "block_size": options.block_size,
-            "losses": losses}
+            "gradient_accumulation": options.gradient_accumulation, "processes": processes,
+            "block_size": options.block_size, "losses": losses}
 
 
 def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> Path:
@@ -472,6 +473,7 @@ def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> P
     if checkpoint is not None:
         check_resumed_run(checkpoint, model_path, options)
     documents = read_documents(options.data)  # before loading the model: a wrong path or line fails at once
+    upstream = lineage(model_path)  # read first: nothing after the training reads the input
     tokenizer, model = load_for_training(model_path, options.seed)
     dataset = TokenBlocks(tokenizer, joined_text(documents, tokenizer, options.data), options.block_size)
     model.name_or_path = base_model_reference(model_path)  # what an adapter saved below names as its base
@@ -507,7 +509,7 @@ def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> P
     copy_license_files(model_path, output_dir)
     history = trainer.state.log_history
     (output_dir / "training_log.json").write_text(json.dumps(history, indent=1) + "\n")
-    write_training_report(output_dir, training_report(model_path, options, trainer.state, learning_rate))
+    write_training_report(output_dir, training_report(upstream, options, trainer.state, learning_rate, args.world_size))
     plot_training_loss(history, output_dir / "training_loss.png")
     if options.monitor and any("diff_attn/mean_abs_lambda" in e for e in history):
         plot_differential_attention(history, output_dir / "differential_attention.png")

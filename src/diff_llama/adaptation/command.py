@@ -54,6 +54,7 @@ def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: st
     fresh_start = main_process and not options.resume
     with continuable(output, offers_overwrite=True):  # Ctrl-C: what was kept, and how to go on
         model, tokenizer = load_model(model_name)
+        upstream = lineage(model_name)  # read first: nothing after the training reads the input
         refuse_past_learned_positions(model, [options.max_length], model_name, "--max-length")
         refuse_past_learned_positions(model, [options.long_length or 0], model_name, "--long-length")
         refuse_past_learned_positions(model, list(options.eval_lengths), model_name, "--eval-lengths")
@@ -72,7 +73,7 @@ def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: st
         if options.save:
             save_model(model, tokenizer, output)
             copy_license_files(model_name, output)
-            write_training_report(output, adaptation_report(model_name, options, history))
+            write_training_report(output, adaptation_report(upstream, options, history))
         give_weights_the_usual_permissions(output)  # the model's and the checkpoints'
     first, last, steps = history["probes"][0], history["probes"][-1], len(history["steps"])
     print(f"{name}: {steps} step{'' if steps == 1 else 's'} in {history['train_minutes']:.1f} training minutes; probe "
@@ -82,15 +83,16 @@ def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: st
     return 0
 
 
-def adaptation_report(model_name: str, options: AdaptationOptions, history: dict) -> dict:
-    """What the model card of an adapted model says of its training (`model_card.TRAINING_REPORT`), as `train`'s."""
+def adaptation_report(upstream: dict, options: AdaptationOptions, history: dict) -> dict:
+    """What the model card of an adapted model says of its training (`model_card.TRAINING_REPORT`), as `train`'s:
+    `upstream` is the lineage of the model it trained (`model_card.lineage`)."""
     first, last, steps = history["probes"][0], history["probes"][-1], len(history["steps"])
     frozen = f", the first {options.frozen_layers} layers frozen" if options.frozen_layers else ""
     summary = (f"{steps_text(steps)} ({duration_text(history['train_minutes'])}) of training{frozen}, learning rate "
                f"{options.learning_rate:g}; held-out retrieval probe accuracy {first['accuracy']:.0%} before, "
                f"{last['accuracy']:.0%} after, perplexity {first['perplexity']:.2f} before, {last['perplexity']:.2f} "
                "after.")
-    return {"finetuned_from": lineage(model_name),
+    return {"finetuned_from": upstream,
             "trained_on": (f"synthetic multi-needle retrieval examples of {options.min_length} to "
                            f"{options.max_length} tokens (`diff-llama adapt`)"),
             "summary": summary, "steps": steps, "train_minutes": history["train_minutes"],
