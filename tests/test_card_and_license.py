@@ -294,3 +294,19 @@ def test_the_lineage_of_a_hub_model_is_its_id_and_the_licence_its_cached_card_st
         "base_model": "alice/tiny-diff", "license": {"license": "apache-2.0"},
         "licensor": "[`alice/tiny-diff`](https://huggingface.co/alice/tiny-diff)", "gguf_note": None}
     assert lineage("smollm2")["license"] == {}  # not a repository id: nothing to look up
+
+
+def test_a_report_that_does_not_parse_is_passed_over_for_the_next_source_of_the_lineage(tmp_path):
+    from diff_llama.model_card import lineage
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "README.md").write_text("---\nlicense: mit\n---\n")
+    (folder / "conversion_report.json").write_text('{"source": "alice/llama", "source_license": {"license": "x"}}')
+    (folder / "training_report.json").write_text('{"finetuned_from": {"name": "`a`"')  # cut short
+    assert lineage(str(folder))["license"] == {"license": "x"} and lineage(str(folder))["base_model"] == "alice/llama"
+    (folder / "training_report.json").write_text('{"finetuned_from": {"name": "`a`"}, "trained_on": "x"}')  # edited
+    assert lineage(str(folder))["origin"] == "converted from the LLaMA [`alice/llama`](https://huggingface.co/alice/llama)"
+    (folder / "conversion_report.json").write_text("[]")
+    assert lineage(str(folder)) == {"name": "`model`", "origin": None, "base_model": None, "license": {"license": "mit"},
+                                    "licensor": "`model`", "gguf_note": None}
