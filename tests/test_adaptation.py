@@ -289,6 +289,7 @@ def test_adapt_command_saves_a_model_that_reloads(tmp_path, chat_tokenizer, caps
     assert (f"2 steps ({report['train_minutes'] * 60:.0f} s) of training, learning rate 3e-05; held-out retrieval "
             f"probe accuracy {history['probes'][0]['accuracy']:.0%} before") in card
     assert "Unknown: the source (`source`) states no licence" in card  # a LICENSE text, but no licence metadata
+    assert "No held-out evaluation" not in card  # the probe is one
     with pytest.raises(FileExistsError, match="not empty; choose a new folder, or pass --overwrite to replace it"):
         main([str(source), str(output), *flags])
     # a finished run has no checkpoint to resume from: the error says so and offers --overwrite, which works

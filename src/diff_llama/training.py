@@ -434,7 +434,8 @@ def training_report(upstream: dict, options: FineTuneOptions, state, learning_ra
         summary += f"; training loss {losses[0]:.3f} at the first logged step"
         summary += f", {losses[-1]:.3f} at the last" if len(losses) > 1 else ""
     data = Path(options.data).expanduser().resolve().name
-    return {"finetuned_from": upstream, "trained_on": f"`{data}`", "summary": summary + ".",
+    return {"finetuned_from": upstream, "trained_on": f"`{data}`",
+            "summary": summary + ". No held-out evaluation was run after it.",
             "data": data, "steps": state.global_step, "epochs": state.epoch, "train_minutes": runtime / 60,
             "lora": options.lora, "lora_rank": options.lora_rank if options.lora else None, "merged": options.merge,
             "learning_rate": learning_rate, "batch_size": options.batch_size,
