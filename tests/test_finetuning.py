@@ -123,6 +123,11 @@ def test_train_command_checkpoints_resumes_and_plots(tmp_path, saved_model):
     history = json.loads((out / "training_log.json").read_text())
     assert {"step": 4, "marker": "from checkpoint-4"} in history
     assert [e["step"] for e in history if "loss" in e] == [1, 2, 3, 4, 5, 6]
+    # The card counts the whole run's steps and losses, and says that its clock started at the resume (the Trainer
+    # times only what this process ran).
+    card = (out / "README.md").read_text()
+    assert "6 steps (" in card and " since the last --resume) of full fine-tuning" in card
+    assert f", {[e for e in history if 'loss' in e][-1]['loss']:.3f} at the last." in card
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert reloaded.get_lambdas().shape == (reloaded.config.num_hidden_layers,)
 

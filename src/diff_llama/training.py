@@ -418,17 +418,20 @@ class LogLastStep(TrainerCallback):
             control.should_log = True
 
 
-def training_report(upstream: dict, options: FineTuneOptions, state, learning_rate: float, processes: int = 1) -> dict:
+def training_report(upstream: dict, options: FineTuneOptions, state, learning_rate: float, processes: int = 1,
+                    resumed: bool = False) -> dict:
     """What the model card of a fine-tuned model says of its training (`model_card.TRAINING_REPORT`): the lineage
     of the model it was trained from (`model_card.lineage`), the data by name only (a path means nothing elsewhere),
     and a sentence on the budget, the method and the logged losses; with those figures as numbers too. `processes`:
-    how many data-parallel processes trained, each on its own blocks."""
+    how many data-parallel processes trained, each on its own blocks; `resumed`: whether this process continued a
+    run from a checkpoint (the Trainer times only what it ran itself)."""
     losses = [entry["loss"] for entry in state.log_history if "loss" in entry]
     runtime = next((entry["train_runtime"] for entry in reversed(state.log_history) if "train_runtime" in entry), 0)
     method = (f"LoRA (rank {options.lora_rank}{', merged into the weights' if options.merge else ''})" if options.lora
               else "full fine-tuning")
     blocks = options.batch_size * options.gradient_accumulation * processes
-    summary = (f"{steps_text(state.global_step)} ({state.epoch:.2f} epochs, {duration_text(runtime / 60)}) of {method}, "
+    clock = duration_text(runtime / 60) + (" since the last --resume" if resumed else "")
+    summary = (f"{steps_text(state.global_step)} ({state.epoch:.2f} epochs, {clock}) of {method}, "
                f"learning rate {learning_rate:g}, {blocks} blocks of {options.block_size} tokens a step")
     if losses:
         summary += f"; training loss {losses[0]:.3f} at the first logged step"
@@ -436,7 +439,7 @@ def training_report(upstream: dict, options: FineTuneOptions, state, learning_ra
     data = Path(options.data).expanduser().resolve().name
     return {"finetuned_from": upstream, "trained_on": f"`{data}`",
             "summary": summary + ". No held-out evaluation was run after it.",
-            "data": data, "steps": state.global_step, "epochs": state.epoch, "train_minutes": runtime / 60,
+            "data": data, "steps": state.global_step, "epochs": state.epoch, "train_minutes": runtime / 60, "resumed": resumed,
             "lora": options.lora, "lora_rank": options.lora_rank if options.lora else None, "merged": options.merge,
             "learning_rate": learning_rate, "batch_size": options.batch_size,
             "gradient_accumulation": options.gradient_accumulation, "processes": processes,
@@ -510,7 +513,8 @@ def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> P
     copy_license_files(model_path, output_dir)
     history = trainer.state.log_history
     (output_dir / "training_log.json").write_text(json.dumps(history, indent=1) + "\n")
-    write_training_report(output_dir, training_report(upstream, options, trainer.state, learning_rate, args.world_size))
+    write_training_report(output_dir, training_report(upstream, options, trainer.state, learning_rate, args.world_size,
+                                                         resumed=checkpoint is not None))
     plot_training_loss(history, output_dir / "training_loss.png")
     if options.monitor and any("diff_attn/mean_abs_lambda" in e for e in history):
         plot_differential_attention(history, output_dir / "differential_attention.png")
