@@ -39,11 +39,15 @@ def base_model_id(source: str) -> str | None:
     return source if looks_like_hub_id else None
 
 
+def hub_link(repo_id: str) -> str:
+    return f"[`{repo_id}`](https://huggingface.co/{repo_id})"
+
+
 def source_text(conversion: dict, base_model: str | None) -> str:
     """The conversion's source in a sentence's words: a Hub id as a link, a GGUF file or a local folder by its name
     only (its path means nothing elsewhere)."""
     source = conversion["source"]
-    base_link = f"[`{base_model}`](https://huggingface.co/{base_model})" if base_model else None
+    base_link = hub_link(base_model) if base_model else None
     if source.endswith(".gguf"):
         return f"the GGUF file `{Path(source).name}`" + (f", a copy of the LLaMA {base_link}" if base_link else "")
     return f"the LLaMA {base_link}" if base_link else f"the local LLaMA folder `{Path(source).name}`"
@@ -63,10 +67,6 @@ def gguf_note(conversion: dict) -> str | None:
             f"the {file_type} rounding and are not the original float weights.")
 
 
-def hub_link(repo_id: str) -> str:
-    return f"[`{repo_id}`](https://huggingface.co/{repo_id})"
-
-
 def lineage(model: str) -> dict:
     """What a model fine-tuned from `model` (a folder or a Hub id) inherits for its card:
     - `name`: `model` in words (a folder by its name only: its path means nothing elsewhere);
@@ -75,8 +75,8 @@ def lineage(model: str) -> dict:
     - `license`: the licence it carries, as model-card metadata (empty when unknown), and `licensor`: whose it is;
     - `gguf_note`: for weights converted from a GGUF file, how that file stored them (`gguf_note`), else None.
     Read from the reports diff-llama leaves in a folder: a fine-tuned folder's own lineage, else its conversion's,
-    else the folder's model card (a report that does not parse, or lacks what is needed, is passed over). A Hub id's licence is read from its card if the Hub cache holds it (never
-    downloaded: a model is trained offline as well)."""
+    else the folder's model card (a report that does not parse, or lacks what is needed, is passed over). A Hub id's
+    licence is read from its card if the Hub cache holds it (never downloaded: a model is trained offline as well)."""
     path = Path(model).expanduser()
     if not path.is_dir():
         name = hub_link(model) if base_model_id(model) == model else f"`{Path(model).name}`"
@@ -99,7 +99,9 @@ LINEAGE_KEYS = {"name", "origin", "base_model", "license", "licensor", "gguf_not
 
 def _lineage_of_trained(path: Path, name: str) -> dict | None:
     training = _read_report(path, TRAINING_REPORT)
-    return _trained_from(training["finetuned_from"], name, f"fine-tuned on {training['trained_on']}") if training else None
+    if not training:
+        return None
+    return _trained_from(training["finetuned_from"], name, f"fine-tuned on {training['trained_on']}")
 
 
 def _lineage_of_checkpoint(path: Path, name: str) -> dict | None:
@@ -115,9 +117,14 @@ def _lineage_of_conversion(path: Path, name: str) -> dict | None:
     conversion = _read_report(path, "conversion_report.json")
     if not conversion:
         return None
+    return conversion_lineage(conversion, name, recovered=(path / "recovery_report.json").is_file())
+
+
+def conversion_lineage(conversion: dict, name: str | None = None, recovered: bool = False) -> dict:
+    """The lineage (see `lineage`) of the model a conversion report describes: a derivative of its source, which
+    carries the source's licence and descends from the source's Hub model."""
     base_model = base_model_id(conversion["source"])
     source = source_text(conversion, base_model)
-    recovered = (path / "recovery_report.json").is_file()
     return {"name": name, "origin": f"converted from {source}" + (
                 ", then trained to match it by distillation" if recovered else ""),
             "base_model": base_model, "license": conversion.get("source_license") or {}, "licensor": source,
@@ -161,16 +168,15 @@ def build_model_card(folder: str | Path, repo_id: str | None = None, location: s
     # the GGUF is a quantisation of, which is true of the weights' lineage. `base_model_relation` is left for the
     # Hub to infer (a derivative, its default for plain weights): `quantized` would be wrong, these weights are
     # float32, and the card's text says how they came from a quantised copy.
+    # A derivative carries its lineage's licence, and a GGUF source's quantisation stays in the weights through any
+    # training after the conversion.
     if training:
         upstream = training["finetuned_from"]
-        base_model, license_metadata, licensor = upstream["base_model"], upstream["license"], upstream["licensor"]
+    elif conversion:
+        upstream = conversion_lineage(conversion)
     else:
-        base_model = base_model_id(conversion["source"]) if conversion else None
-        license_metadata = (conversion or {}).get("source_license") or {}  # a derivative carries its source's licence
-        licensor = source_text(conversion, base_model) if conversion else None
-    # A GGUF source's quantisation stays in the weights through any training after the conversion.
-    weights_note = training["finetuned_from"].get("gguf_note") if training else (
-        gguf_note(conversion) if conversion else None)
+        upstream = {"base_model": None, "license": {}, "licensor": None, "gguf_note": None}
+    base_model, license_metadata, licensor = upstream["base_model"], upstream["license"], upstream["licensor"]
 
     eval_results = []
     quality = (conversion or {}).get("quality") or {}
@@ -197,8 +203,8 @@ def build_model_card(folder: str | Path, repo_id: str | None = None, location: s
         card_data,
         template_str=template,
         model_name=model_name,
-        source=source_text(conversion, base_model) if conversion else None,
-        gguf_note=weights_note,
+        source=licensor if conversion else None,
+        gguf_note=upstream["gguf_note"],
         conversion=conversion,
         conversion_notes=conversion_notes(conversion) if conversion else None,
         conversion_options=_applicable_options(conversion) if conversion else None,

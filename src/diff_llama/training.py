@@ -439,8 +439,8 @@ def training_report(upstream: dict, options: FineTuneOptions, state, learning_ra
     data = Path(options.data).expanduser().resolve().name
     return {"finetuned_from": upstream, "trained_on": f"`{data}`",
             "summary": summary + ". No held-out evaluation was run after it.",
-            "data": data, "steps": state.global_step, "epochs": state.epoch, "train_minutes": runtime / 60, "resumed": resumed,
-            "lora": options.lora, "lora_rank": options.lora_rank if options.lora else None, "merged": options.merge,
+            "data": data, "steps": state.global_step, "epochs": state.epoch, "train_minutes": runtime / 60,
+            "resumed": resumed, "lora": options.lora, "lora_rank": options.lora_rank if options.lora else None, "merged": options.merge,
             "learning_rate": learning_rate, "batch_size": options.batch_size,
             "gradient_accumulation": options.gradient_accumulation, "processes": processes,
             "block_size": options.block_size, "losses": losses}
