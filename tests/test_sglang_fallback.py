@@ -1,6 +1,7 @@
-"""What SGLang's Transformers backend needs from a DIFF V2 model, checked without SGLang (which needs a GPU or an
-AMX Xeon: docs/serving.md). SGLang registers its attention as "sglang", builds the model with it, and shards the
-linear layers by the model's tensor-parallel plan, refusing styles it does not know."""
+"""What SGLang's Transformers backend needs from a DIFF V2 model, checked without SGLang in the default suite
+(tests/test_sglang.py serves through SGLang itself, in .venv-sglang). SGLang registers its attention as "sglang",
+builds the model with it, shards the linear layers by the model's tensor-parallel plan, refusing styles it does not
+know, and hands each module that loads its own weights its checkpoint tensors."""
 
 import copy
 
@@ -66,3 +67,43 @@ def test_the_sglang_plan_splits_diff_v2_attention_exactly(sglang_attention, head
             )
             summed += shard(hidden, position_embeddings)[0]
     torch.testing.assert_close(summed, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_the_attention_loads_its_checkpoint_tensors_as_the_engines_hand_them(tmp_path):
+    """SGLang's and vLLM's loaders hand a module with `load_weights` its tensors by their names on disk, where λ's
+    projection is `lambda_proj`. An engine's sharded parameter carries a `weight_loader` that takes its rank's part (here
+    the second half of q_proj's rows, as an engine's rank 1 would); every other parameter is copied whole."""
+    from safetensors.torch import load_file
+
+    from conftest import randomise_lambda_proj
+
+    saved = tiny_model(diff_version=2, num_attention_heads=8, num_key_value_heads=2, seed=1)
+    randomise_lambda_proj(saved)
+    saved.save_pretrained(tmp_path)
+    prefix = "model.layers.0.self_attn."
+    on_disk = {key[len(prefix):]: tensor for key, tensor in load_file(tmp_path / "model.safetensors").items()
+               if key.startswith(prefix)}
+    assert "lambda_proj.weight" in on_disk
+
+    attention = tiny_model(diff_version=2, num_attention_heads=8, num_key_value_heads=2, seed=2).model.layers[0].self_attn
+    rows = attention.q_proj.weight.shape[0] // 2
+    attention.q_proj.weight = nn.Parameter(torch.zeros(rows, attention.q_proj.weight.shape[1]))
+    attention.q_proj.weight.weight_loader = lambda parameter, tensor: parameter.data.copy_(tensor[rows:])
+    loaded = attention.load_weights(on_disk.items())
+
+    assert loaded == {name for name, _ in attention.named_parameters()}
+    expected = saved.model.layers[0].self_attn
+    torch.testing.assert_close(attention.q_proj.weight, expected.q_proj.weight[rows:], rtol=0, atol=0)
+    for name in ("k_proj.weight", "v_proj.weight", "o_proj.weight", "differential_lambda.lambda_proj.weight"):
+        torch.testing.assert_close(attention.get_parameter(name), expected.get_parameter(name), rtol=0, atol=0)
+    # vLLM's loader may hand λ's projection under its name in memory: the same place.
+    attention.load_weights([("differential_lambda.lambda_proj.weight", torch.ones_like(on_disk["lambda_proj.weight"]))])
+    assert bool((attention.differential_lambda.lambda_proj.weight == 1).all())
+
+    with pytest.raises(ValueError, match="has no parameter 'differential_lambda.lambda_q1' for the checkpoint tensor "
+                                         "'lambda_q1': is the checkpoint another model's"):
+        attention.load_weights([("lambda_q1", torch.zeros(4))])  # version 1's λ
+    with pytest.raises(ValueError, match="layer 0's attention has no parameter 'gate_proj.weight'"):
+        attention.load_weights([("gate_proj.weight", torch.zeros(4))])
+    with pytest.raises(ValueError, match=r"layer 0's k_proj.weight is \(\d+, \d+\) but the checkpoint tensor is \(3,\)"):
+        attention.load_weights([("k_proj.weight", torch.zeros(3))])

@@ -44,16 +44,22 @@ register_checkpoint_conversion_mapping(
 )
 
 
+def lambda_memory_name(name: str) -> str:
+    """An attention module's tensor name as a checkpoint has it (`lambda_proj.weight`) -> its name in memory
+    (`differential_lambda.lambda_proj.weight`); every other name, in-memory λ names included, is returned as it is."""
+    checkpoint_names = {name for names in LAMBDA_CHECKPOINT_NAMES.values() for name in names}
+    return f"differential_lambda.{name}" if name.split(".", 1)[0] in checkpoint_names else name
+
+
 def load_lambda_under_checkpoint_names(module, state_dict, prefix, *args) -> None:
     """A `load_state_dict` pre-hook of the attention modules: λ tensors under their checkpoint names (what
     `save_pretrained` writes) load into `differential_lambda`. `from_pretrained` renames them itself, but the Trainer
     resumes a checkpoint, and accelerate or a user may load one, with a plain non-strict `load_state_dict`, which
     would otherwise leave λ silently at its old values."""
-    checkpoint_names = {name for names in LAMBDA_CHECKPOINT_NAMES.values() for name in names}
     for key in [key for key in state_dict if key.startswith(prefix)]:
         name = key[len(prefix):]
-        if name.split(".", 1)[0] in checkpoint_names:
-            state_dict.setdefault(f"{prefix}differential_lambda.{name}", state_dict.pop(key))
+        if lambda_memory_name(name) != name:
+            state_dict.setdefault(prefix + lambda_memory_name(name), state_dict.pop(key))
 
 
 class DiffLlamaLambda(nn.Module):

@@ -20,7 +20,7 @@ from .configuration_diff_llama import MINIMUM_TRANSFORMERS  # noqa: F401  # isor
 
 import math
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -64,6 +64,7 @@ from .lambda_diff_llama import (
     LAMBDA_VECTOR_NAMES,
     DiffLlamaLambda,
     DiffLlamaV2Lambda,
+    lambda_memory_name,
     load_lambda_under_checkpoint_names,
 )
 from .tensor_parallel_diff_llama import select_heads
@@ -327,6 +328,32 @@ class DiffLlamaV2Attention(DiffLlamaAttentionBase):
     def pair_maps(maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Softmax maps (batch, H, q, k) -> (A1, A2) of every differential head i: maps 2i and 2i + 1."""
         return maps[:, 0::2], maps[:, 1::2]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The serving engines' weight-loading protocol (SGLang's and vLLM's `AutoWeightsLoader` hand a module that has
+        this method its checkpoint tensors, named relative to it). Their own loaders know only the checkpoint's names,
+        and λ's projection is `lambda_proj` on disk but `differential_lambda.lambda_proj` here. Each tensor goes through
+        its parameter's `weight_loader` where the engine gave it one (which takes this rank's shard under tensor
+        parallel), else is copied whole. Returns the parameters' names, which the engines check for completeness."""
+        loaded = set()
+        for checkpoint_name, tensor in weights:
+            name = lambda_memory_name(checkpoint_name)
+            try:
+                parameter = self.get_parameter(name)
+            except AttributeError:
+                raise ValueError(f"layer {self.layer_idx}'s attention has no parameter {name!r} for the checkpoint "
+                                 f"tensor {checkpoint_name!r}: is the checkpoint another model's?") from None
+            weight_loader = getattr(parameter, "weight_loader", None)
+            if weight_loader is not None:
+                weight_loader(parameter, tensor)
+            elif parameter.shape != tensor.shape:
+                raise ValueError(f"layer {self.layer_idx}'s {name} is {tuple(parameter.shape)} but the checkpoint "
+                                 f"tensor is {tuple(tensor.shape)}")
+            else:
+                with torch.no_grad():
+                    parameter.copy_(tensor)
+            loaded.add(name)
+        return loaded
 
 
 # The attention variant is chosen once, from `config.diff_version`.
