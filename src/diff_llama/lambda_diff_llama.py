@@ -47,7 +47,7 @@ register_checkpoint_conversion_mapping(
 def lambda_memory_name(name: str) -> str:
     """An attention module's tensor name as a checkpoint has it (`lambda_proj.weight`) -> its name in memory
     (`differential_lambda.lambda_proj.weight`); every other name, in-memory λ names included, is returned as it is."""
-    checkpoint_names = {name for names in LAMBDA_CHECKPOINT_NAMES.values() for name in names}
+    checkpoint_names = {known for names in LAMBDA_CHECKPOINT_NAMES.values() for known in names}
     return f"differential_lambda.{name}" if name.split(".", 1)[0] in checkpoint_names else name
 
 

@@ -331,10 +331,11 @@ class DiffLlamaV2Attention(DiffLlamaAttentionBase):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The serving engines' weight-loading protocol (SGLang's and vLLM's `AutoWeightsLoader` hand a module that has
-        this method its checkpoint tensors, named relative to it). Their own loaders know only the checkpoint's names,
-        and λ's projection is `lambda_proj` on disk but `differential_lambda.lambda_proj` here. Each tensor goes through
-        its parameter's `weight_loader` where the engine gave it one (which takes this rank's shard under tensor
-        parallel), else is copied whole. Returns the parameters' names, which the engines check for completeness."""
+        this method its checkpoint tensors, named relative to it). λ's projection is `lambda_proj` on disk but
+        `differential_lambda.lambda_proj` here: SGLang hands it by the name on disk, vLLM (which applies transformers'
+        renaming first) by the name here, and both are taken. Each tensor goes through its parameter's `weight_loader`
+        where the engine gave it one (which takes this rank's shard under tensor parallel), else is copied whole.
+        Returns the parameters' names, which the engines check for completeness."""
         loaded = set()
         for checkpoint_name, tensor in weights:
             name = lambda_memory_name(checkpoint_name)
