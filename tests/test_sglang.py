@@ -3,8 +3,9 @@ greedy `generate`.
 
 Run by `bash scripts/run_sglang_tests.sh` in .venv-sglang (SGLang's PyPI wheel, on its CUDA build of torch, run on the
 CPU); skipped where SGLang is not installed. SGLang has no plugin hook: it runs the folder's own code as remote code,
-so these tests are what a user without this package gets. The real SmolLM2's DIFF V2 conversion is served once, and a
-copy of it with a random λ projection (λ different for every token and head) once more.
+so these tests are what a user without this package gets. The real SmolLM2's DIFF V2 conversion is served once, by
+`diff-llama serve --engine sglang`, and a copy of it with a random λ projection (λ different for every token and head)
+once more, by SGLang's own command.
 """
 
 import importlib.util
@@ -31,7 +32,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 NEW_TOKENS = 32
 # On a CPU SGLang picks its attention written in torch by itself; its KV cache is sized here for a test rather than
 # for the machine's memory.
-SGLANG_CPU_ARGS = ["--device", "cpu", "--max-total-tokens", "8192"]
+CACHE_SIZE = ["--max-total-tokens", "8192"]
 
 
 def _run(*args, timeout=900):
@@ -53,19 +54,21 @@ def _post(url, body):
 
 
 class Server:
-    """`python -m sglang.launch_server` on a folder, as SGLang's documentation runs it, until `stop`."""
+    """SGLang's server on a folder until `stop`: started by `diff-llama serve --engine sglang` (`plain=False`), or by
+    `python -m sglang.launch_server` as SGLang's documentation runs it."""
 
-    def __init__(self, folder, log):
+    def __init__(self, folder, log, plain=False):
         self.folder, self.log, self.port = folder, log, _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
+        if plain:
+            command = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(folder), "--model-impl",
+                       "transformers", "--trust-remote-code", "--dtype", "float32", "--device", "cpu"]
+        else:
+            command = [DIFF_LLAMA, "serve", str(folder), "--engine", "sglang", "--trust-remote-code", "--device", "cpu"]
+        command += ["--host", "127.0.0.1", "--port", str(self.port)] + (CACHE_SIZE if plain else ["--", *CACHE_SIZE])
         with open(log, "w") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "sglang.launch_server", "--model-path", str(folder), "--model-impl",
-                 "transformers", "--trust-remote-code", "--dtype", "float32", "--port", str(self.port),
-                 *SGLANG_CPU_ARGS],
-                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                start_new_session=True,
-            )
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
         deadline = time.monotonic() + 600
         while True:
             assert self.process.poll() is None, log.read_text()[-4000:]
@@ -179,7 +182,7 @@ def test_served_conversion_answers_the_openai_chat_client(server, converted):
 
 def test_a_lambda_that_varies_by_token_is_served_as_generate_computes_it(random_lambda, tmp_path):
     """Needs the attention's `load_weights`: SGLang's loader knows λ's projection only by its checkpoint name."""
-    server = Server(random_lambda, tmp_path / "server.log")
+    server = Server(random_lambda, tmp_path / "server.log", plain=True)
     try:
         _assert_served_as_generate(server, random_lambda)
     finally:

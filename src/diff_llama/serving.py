@@ -29,7 +29,7 @@ curl localhost:8000/v1/chat/completions -H "Content-Type: application/json" \\
 import contextlib
 
 from .errors import MissingPackageError, UserError
-from .options import CONTINUOUS_BATCHING_SIZES, VLLM_INSTALL_COMMANDS
+from .options import CONTINUOUS_BATCHING_SIZES, SGLANG_INSTALL_COMMANDS, VLLM_INSTALL_COMMANDS
 
 MODEL_TYPE = "diff_llama"
 
@@ -199,17 +199,21 @@ def served_names(model: str) -> tuple[str, set[str]]:
     return name, {str(model), location.description} - {name}
 
 
-def serve(model: str, options) -> int:
-    """`diff-llama serve MODEL [options]` (declared in `diff_llama_cli`): transformers' server, with MODEL preloaded,
-    until interrupted. `options` is a `diff_llama.options.ServeOptions`; its fields are passed to transformers
-    serve as they are."""
+def serve(model: str, options, engine_args=()) -> int:
+    """`diff-llama serve MODEL [options] [-- ENGINE_ARG ...]` (declared in `diff_llama_cli`): transformers' server,
+    with MODEL preloaded, until interrupted. `options` is a `diff_llama.options.ServeOptions`; its fields are passed to
+    transformers serve as they are. `engine_args` go to vLLM's or SGLang's server, after the ones diff-llama makes."""
     from dataclasses import asdict
 
-    if options.engine == "vllm":
-        return serve_with_vllm(model, options)
+    if options.engine != "transformers":
+        return serve_with_engine(model, options, list(engine_args))
+    if engine_args:
+        raise UserError(f"{engine_args[0]}: the words after -- are vLLM's or SGLang's options, for --engine vllm or "
+                        "--engine sglang; transformers' server takes only diff-llama serve's own options (diff-llama "
+                        "serve --help)")
     if options.tensor_parallel_size != 1:
-        raise UserError("--tensor-parallel-size is an option of vLLM's server: add --engine vllm (transformers' server "
-                        "runs one process)")
+        raise UserError("--tensor-parallel-size is an option of vLLM's and SGLang's servers: add --engine vllm or "
+                        "--engine sglang (transformers' server runs one process)")
     from transformers.utils.import_utils import is_serve_available
 
     import diff_llama  # noqa: F401  (registers the Auto classes: the package's code serves without trust_remote_code)
@@ -268,13 +272,68 @@ def require_free_port(host: str, port: int) -> None:
                             "port with --port") from None
 
 
-# ---- vLLM ------------------------------------------------------------------------------------------------------------
+# ---- vLLM and SGLang -------------------------------------------------------------------------------------------------
 
-# The transformers server's own options, with the value that means "not set"; `--engine vllm` refuses any other value
-# rather than dropping it without a word.
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+
+# The transformers server's own options, with the value that means "not set"; `--engine vllm` or `sglang` refuses any
+# other value rather than dropping it without a word (SGLang takes --device too).
 TRANSFORMERS_SERVER_ONLY = {"device": "auto", "attn_implementation": None, "quantization": None,
                             "continuous_batching": False, "request_timeout": 600,
                             **dict.fromkeys(CONTINUOUS_BATCHING_SIZES)}
+
+
+def engine_model(model: str, options):
+    """MODEL (any MODEL argument) checked for `options.engine`, the way every command checks its model: its
+    `resolve.find_model` location and its config. Raises one line for what the engines' Transformers backends cannot
+    serve: a GGUF file, a version 1 DiffLlama, a transformers-server option, a tensor-parallel size that splits
+    heads."""
+    from .resolve import find_model, load_config
+
+    engine = ENGINE_NAMES[options.engine]
+    if options.tensor_parallel_size < 1:
+        raise UserError(f"--tensor-parallel-size must be 1 or more, got {options.tensor_parallel_size}")
+    for name, unset in TRANSFORMERS_SERVER_ONLY.items():
+        if getattr(options, name) != unset and not (name == "device" and options.engine == "sglang"):
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"{flag} is an option of the transformers server; with --engine {options.engine}, drop it, "
+                            f"or give {engine}'s own options after -- (diff-llama serve MODEL --engine {options.engine} "
+                            "-- --an-option value)")
+    location = find_model(model, tokenizer=True)
+    if location.gguf_file:
+        raise UserError(f"{engine} serves a model folder, not a GGUF file ({location.description}): convert it first, "
+                        f"diff-llama convert {model} outputs/my-diff-llama, and serve that folder")
+    config = load_config(model, trust_remote_code=options.trust_remote_code)
+    if config.model_type == MODEL_TYPE:
+        if config.diff_version != 2:
+            raise UserError(
+                f"{model} is a version 1 DiffLlama, which {engine} cannot serve (its attention makes two backend calls "
+                f"per layer, {engine}'s Transformers backend takes one): serve it with the transformers server "
+                f"(diff-llama serve {model}), or convert the source LLaMA to DIFF V2 (the default of diff-llama "
+                f"convert) for {engine}")
+        refuse_engine_tensor_parallel(model, config, options)
+    return location, config
+
+
+def refuse_engine_tensor_parallel(model: str, config, options):
+    """One line, before the engine starts, where it cannot split this DiffLlama over the ranks asked for (it would fail
+    deep in its engine, or split differential heads across ranks)."""
+    from .tensor_parallel_diff_llama import engine_tensor_parallel_problem
+
+    tp_size = options.tensor_parallel_size
+    problem = engine_tensor_parallel_problem(config, tp_size, ENGINE_NAMES[options.engine])
+    if problem:
+        raise UserError(f"{model} cannot be served with --tensor-parallel-size {tp_size}: {problem}")
+
+
+def engine_dtype(config, dtype: str) -> str:
+    """The `--dtype` for vLLM or SGLang: `auto` means the checkpoint's dtype, as it does for the transformers server.
+    The engines' own `auto` serves a float32 checkpoint in half precision, and then their greedy answers differ from
+    transformers'."""
+    if dtype != "auto":
+        return dtype
+    saved = getattr(config, "dtype", None)
+    return str(saved).removeprefix("torch.") if saved is not None else "auto"
 
 
 def vllm_server_launcher() -> list[str]:
@@ -292,35 +351,16 @@ def vllm_server_launcher() -> list[str]:
 
 
 def vllm_command(model: str, options) -> list[str]:
-    """The `vllm serve` command line that serves `model` (any MODEL argument) with `options`: checked the way every
-    command checks its model, a DiffLlama through vLLM's Transformers backend (`--model-impl transformers`, so that
-    vLLM never substitutes its own class for transformers' built-in `diffllama`, another model). Raises one line for
-    what vLLM cannot serve: a GGUF file, a version 1 model, a transformers-server option."""
-    from .resolve import find_model, load_config
-
-    for name, unset in TRANSFORMERS_SERVER_ONLY.items():
-        if getattr(options, name) != unset:
-            flag = "--" + name.replace("_", "-")
-            raise UserError(f"{flag} is an option of the transformers server; with --engine vllm, drop it, or run "
-                            "vllm serve yourself with vLLM's own options (diff-llama prints its command line)")
-    location = find_model(model, tokenizer=True)
-    if location.gguf_file:
-        raise UserError(f"vLLM serves a model folder, not a GGUF file ({location.description}): convert it first, "
-                        f"diff-llama convert {model} outputs/my-diff-llama, and serve that folder")
-    config = load_config(model, trust_remote_code=options.trust_remote_code)
+    """The `vllm serve` command line that serves `model` with `options` (checked by `engine_model`), a DiffLlama
+    through vLLM's Transformers backend (`--model-impl transformers`, so that vLLM never substitutes its own class for
+    transformers' built-in `diffllama`, another model)."""
+    location, config = engine_model(model, options)
     command = [*vllm_server_launcher(), location.name_or_path,
                "--served-model-name", *dict.fromkeys([str(model), location.name_or_path]),
-               "--host", options.host, "--port", str(options.port), "--dtype", vllm_dtype(config, options.dtype),
+               "--host", options.host, "--port", str(options.port), "--dtype", engine_dtype(config, options.dtype),
                "--uvicorn-log-level", options.log_level]
     if config.model_type == MODEL_TYPE:
-        if config.diff_version != 2:
-            raise UserError(
-                f"{model} is a version 1 DiffLlama, which vLLM cannot serve (its attention makes two backend calls "
-                "per layer, vLLM's Transformers backend takes one): serve it with the transformers server "
-                f"(diff-llama serve {model}), or convert the source LLaMA to DIFF V2 (the default of diff-llama "
-                "convert) for vLLM")
         command += ["--model-impl", "transformers"]
-        refuse_vllm_tensor_parallel(model, config, options.tensor_parallel_size)
     if options.tensor_parallel_size != 1:
         command += ["--tensor-parallel-size", str(options.tensor_parallel_size)]
     if options.trust_remote_code:
@@ -328,40 +368,100 @@ def vllm_command(model: str, options) -> list[str]:
     return command
 
 
-def refuse_vllm_tensor_parallel(model: str, config, tp_size: int):
-    """One line, before vLLM starts, where vLLM cannot split this DiffLlama over `tp_size` ranks (it would fail deep in
-    its engine, or split differential heads across ranks)."""
-    from .tensor_parallel_diff_llama import vllm_tensor_parallel_problem
+def sglang_command(model: str, options) -> list[str]:
+    """The `python -m sglang.launch_server` command line that serves `model` with `options` (checked by
+    `engine_model`). SGLang has no plugin hook: it builds a DiffLlama from the code saved in its folder, so it needs
+    --trust-remote-code, and that code must be recent enough to load λ's tensors by their names on disk."""
+    import sys
 
-    if tp_size < 1:
-        raise UserError(f"--tensor-parallel-size must be 1 or more, got {tp_size}")
-    problem = vllm_tensor_parallel_problem(config, tp_size)
-    if problem:
-        raise UserError(f"{model} cannot be served with --tensor-parallel-size {tp_size}: {problem}")
+    location, config = engine_model(model, options)
+    device = options.device
+    if device == "auto":  # resolved as every command resolves it, so that the printed command names the device
+        from .resolve import resolve_device
+
+        device = resolve_device(device)
+    if device not in SGLANG_DEVICES:
+        raise UserError(f"--device {device}: SGLang takes a kind of device ({', '.join(SGLANG_DEVICES)}), not a "
+                        "numbered one or a way to spread the model; choose the GPUs with CUDA_VISIBLE_DEVICES")
+    command = [sys.executable, "-m", "sglang.launch_server", "--model-path", location.name_or_path,
+               "--served-model-name", str(model), "--host", options.host, "--port", str(options.port),
+               "--dtype", engine_dtype(config, options.dtype), "--log-level", options.log_level, "--device", device]
+    if config.model_type == MODEL_TYPE:
+        if not options.trust_remote_code:
+            raise UserError(f"SGLang builds a DiffLlama from the code saved in its folder (it has no plugin hook, "
+                            f"unlike vLLM): add --trust-remote-code to serve {model} with it")
+        refuse_code_without_load_weights(model, location)
+        command += ["--model-impl", "transformers"]
+    if options.tensor_parallel_size != 1:
+        command += ["--tp-size", str(options.tensor_parallel_size)]
+    if options.trust_remote_code:
+        command.append("--trust-remote-code")
+    return command
 
 
-def vllm_dtype(config, dtype: str) -> str:
-    """The `--dtype` for vLLM: `auto` means the checkpoint's dtype, as it does for the transformers server. vLLM's own
-    `auto` serves a float32 checkpoint in bfloat16, and then its greedy answers differ from transformers'."""
-    if dtype != "auto":
-        return dtype
-    saved = getattr(config, "dtype", None)
-    return str(saved).removeprefix("torch.") if saved is not None else "auto"
+SGLANG_DEVICES = ("cuda", "cpu", "xpu", "hpu", "npu", "musa")
 
 
-def serve_with_vllm(model: str, options) -> int:
-    """`diff-llama serve MODEL --engine vllm`: checks MODEL and vLLM, prints the `vllm serve` line and becomes it.
-    Without --trust-remote-code vLLM loads DiffLlama models with this package's classes, through its plugin
-    (`diff_llama.vllm_plugin`)."""
+def refuse_code_without_load_weights(model: str, location) -> None:
+    """One line where a local folder lacks the modeling code SGLang runs, or has code from before
+    `DiffLlamaV2Attention.load_weights` (diff-llama before 2026-12-02), with which SGLang stops while loading, on
+    `self_attn.lambda_proj`. (A Hub model's code is SGLang's to fetch.)"""
+    import os
+
+    if not os.path.isdir(location.name_or_path):
+        return
+    code = os.path.join(location.name_or_path, "modeling_diff_llama.py")
+    if not os.path.isfile(code):
+        problem = "has no modeling_diff_llama.py beside its config, the code SGLang runs"
+    else:
+        with open(code, encoding="utf-8") as saved:
+            if "def load_weights(" in saved.read():
+                return
+        problem = ("has modeling code from a diff-llama without SGLang support (it cannot load λ's tensors by their "
+                   "names on disk)")
+    raise UserError(f"{model} {problem}: re-save the folder with this diff-llama installed, as docs/serving.md "
+                    "(\"Serving with SGLang\") shows")
+
+
+# The engines' options diff-llama serve sets itself (all spellings), with the diff-llama serve option that sets each
+# (None: set for MODEL). Given again after --, the engine would take the later value, unchecked.
+ENGINE_OPTIONS_MADE_HERE = {
+    "--host": "--host", "--port": "--port", "--dtype": "--dtype", "--uvicorn-log-level": "--log-level",
+    "--log-level": "--log-level", "--device": "--device", "--trust-remote-code": "--trust-remote-code",
+    "--tensor-parallel-size": "--tensor-parallel-size", "--tp-size": "--tensor-parallel-size",
+    "--tp": "--tensor-parallel-size", "-tp": "--tensor-parallel-size",
+    "--model": None, "--model-path": None, "--served-model-name": None, "--model-impl": None,
+}
+
+
+def refuse_options_made_here(engine_args: list[str]) -> None:
+    """One line where an option after -- is one that diff-llama serve puts on the engine's command line itself."""
+    for word in engine_args:
+        flag = word.partition("=")[0]
+        if flag in ENGINE_OPTIONS_MADE_HERE:
+            ours = ENGINE_OPTIONS_MADE_HERE[flag]
+            fix = (f"give diff-llama serve's own {ours}, before --" if ours else
+                   "diff-llama serve sets it for MODEL (run the engine yourself to set it otherwise)")
+            raise UserError(f"{flag} after -- is an option diff-llama serve sets itself, from what it checked: {fix}")
+
+
+def serve_with_engine(model: str, options, engine_args: list[str]) -> int:
+    """`diff-llama serve MODEL --engine vllm|sglang [-- ENGINE_ARG ...]`: checks MODEL and the engine, prints the
+    engine's server command line, `engine_args` at its end, and becomes it. Without --trust-remote-code vLLM loads
+    DiffLlama models with this package's classes, through its plugin (`diff_llama.vllm_plugin`)."""
     import importlib.util
     import os
     import shlex
 
-    command = vllm_command(model, options)  # before vLLM: the model is the likelier mistake
+    build = vllm_command if options.engine == "vllm" else sglang_command
+    command = build(model, options)  # before the engine: the model is the likelier mistake
+    refuse_options_made_here(engine_args)
+    command += engine_args
     require_free_port(options.host, options.port)
-    if importlib.util.find_spec("vllm") is None:
-        raise MissingPackageError(f"--engine vllm needs vLLM, which is not installed here: install it beside "
-                                  f"diff-llama: {VLLM_INSTALL_COMMANDS}")
+    if importlib.util.find_spec(options.engine) is None:
+        install = VLLM_INSTALL_COMMANDS if options.engine == "vllm" else SGLANG_INSTALL_COMMANDS
+        raise MissingPackageError(f"--engine {options.engine} needs {ENGINE_NAMES[options.engine]}, which is not "
+                                  f"installed here: install it beside diff-llama: {install}")
     shown = ["vllm", *command[3:]] if command[2] == "vllm.entrypoints.cli.main" else ["python", *command[1:]]
     print("Running: " + shlex.join(shown), flush=True)
-    os.execv(command[0], command)  # the server owns the process from here: signals and exit status are vLLM's
+    os.execv(command[0], command)  # the server owns the process from here: signals and exit status are the engine's

@@ -67,20 +67,21 @@ def tensor_parallel_layout(config: DiffLlamaConfig, tp_size: int, rank: int) -> 
     return layout
 
 
-def vllm_tensor_parallel_problem(config: DiffLlamaConfig, tp_size: int) -> str | None:
-    """Why vLLM cannot split this model over `tp_size` ranks, or None where it can. vLLM reads the plan with its own
-    styles (`ENGINE_DIFF_V2_TP_PLAN`): plain column splits, which keep DIFF V2's adjacent pairs whole when each rank gets
-    whole pairs, and its keys and values right when each gets whole key/value heads. (transformers' own TP, with the
-    styles below, also splits other layouts: replicating keys and values, or version 1's packed halves.)"""
+def engine_tensor_parallel_problem(config: DiffLlamaConfig, tp_size: int, engine: str = "vLLM") -> str | None:
+    """Why a serving engine (vLLM, SGLang) cannot split this model over `tp_size` ranks, or None where it can. The
+    engines read the plan with plain column splits (`ENGINE_DIFF_V2_TP_PLAN`), which keep DIFF V2's adjacent pairs whole
+    when each rank gets whole pairs, and its keys and values right when each gets whole key/value heads.
+    (transformers' own TP, with the styles below, also splits other layouts: replicating keys and values, or version
+    1's packed halves.)"""
     if tp_size == 1:
         return None
     if config.diff_version != 2:
-        return "vLLM serves only DIFF V2 models"
+        return f"{engine} serves only DIFF V2 models"
     pairs, kv_heads = config.num_attention_heads // 2, config.num_key_value_heads
     usable = [size for size in range(1, pairs + 1) if pairs % size == 0 and kv_heads % size == 0]
     if pairs % tp_size == 0 and kv_heads % tp_size == 0:
         return None
-    return (f"vLLM splits each layer's heads in contiguous blocks, so every rank must hold whole differential heads "
+    return (f"{engine} splits each layer's heads in contiguous blocks, so every rank must hold whole differential heads "
             f"(num_attention_heads / 2 = {pairs}) and whole key/value heads (num_key_value_heads = {kv_heads}), both "
             f"divisible by the tensor-parallel size {tp_size}; sizes that work here: {usable}")
 

@@ -17,6 +17,7 @@ class Command:
     options: tuple = ()  # option dataclasses
     positionals: tuple = ()  # (name, help) or (name, help, argparse keyword arguments)
     description: str | None = None  # the command's --help text (default: the summary)
+    after_dashes: str | None = None  # a positional (nargs="*") that takes only the words after `--`, as they are
 
 
 COMMANDS: dict[str, Command] = {
@@ -98,12 +99,19 @@ COMMANDS: dict[str, Command] = {
     ),
     "serve": Command(
         "serve a model over HTTP with the OpenAI API (transformers serve, loading DiffLlama models correctly)",
-        "serve", (o.ServeOptions,), (("model", MODEL_HELP),),
+        "serve", (o.ServeOptions,),
+        (("model", MODEL_HELP),
+         ("engine_args", "with --engine vllm or sglang: the engine's own server options, after -- (diff-llama serve "
+                         "MODEL --engine vllm -- --max-model-len 4096), passed on as they are",
+          {"nargs": "*", "metavar": "ENGINE_ARG"})),
         "Serve MODEL with transformers' OpenAI-compatible server (transformers serve: /v1/chat/completions, "
         "/v1/completions, /v1/responses, /v1/models), with DiffLlama folders loaded by this package's classes (or "
         "their own code with --trust-remote-code). MODEL is checked before the server starts. Needs the serving "
         "extras: pip install \"diff-llama[serving]\". With --engine vllm, MODEL (a DIFF V2 folder or Hub id) is "
-        "served by `vllm serve --model-impl transformers` instead: the command it runs is printed first.",
+        "served by `vllm serve --model-impl transformers` instead, and with --engine sglang by SGLang's server "
+        "(add --trust-remote-code: SGLang runs the code saved in the folder); the command it runs is printed first; "
+        "the engine's own options go after --.",
+        after_dashes="engine_args",
     ),
     "push": Command(
         "upload a model folder (weights, remote code, tokenizer, model card) to the Hugging Face Hub",

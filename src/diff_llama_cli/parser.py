@@ -184,10 +184,26 @@ def _expand_options(parser: argparse.ArgumentParser, name: str, argv) -> list:
 def parse(name: str, argv) -> list:
     """The positional values and option dataclasses of command `name` from `argv`; `--help` exits (code 0)."""
     parser = build_parser(name)
-    values = vars(parser.parse_args(_expand_options(parser, name, argv)))
+    command = COMMANDS[name]
+    argv, after = list(argv), []
+    if command.after_dashes and "--" in argv:  # the words after it are another program's: argparse never reads them
+        argv, after = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    argv = _expand_options(parser, name, argv)
+    if not command.after_dashes:
+        values = vars(parser.parse_args(argv))
+    else:  # argparse fills an optional positional at its first chance, so a word after an option is left over
+        namespace, left_over = parser.parse_known_args(argv)
+        if any(word.startswith("-") for word in left_over):
+            parser.parse_args(argv)  # argparse's own one-line error for the unknown option
+        values = vars(namespace)
+        stray = values[command.after_dashes] + left_over
+        if stray:  # a stray word, or the other program's option value without the `--` before it
+            raise UsageError(f"unexpected argument {stray[0]!r}: {PROG} {name} takes one "
+                             f"{command.positionals[0][0].upper()}, and then -- before any "
+                             f"{command.after_dashes.upper()} ({PROG} {name} --help shows the usage)")
+        values[command.after_dashes] = after
     if isinstance(values.get("output"), str):  # "~/out" quoted past the shell, as model paths already are
         values["output"] = os.path.expanduser(values["output"])
-    command = COMMANDS[name]
     result = [values.pop(positional) for positional, *_ in command.positionals]
     for options_class in command.options:
         init = [f.name for f in dataclasses.fields(options_class) if f.init]

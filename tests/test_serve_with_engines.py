@@ -1,5 +1,6 @@
-"""`diff-llama serve --engine vllm` without vLLM: the command line it would run, and the one-line refusals of what vLLM
-cannot serve. The engine itself is tested in test_vllm.py, in the environment scripts/run_vllm_tests.sh builds."""
+"""`diff-llama serve --engine vllm` and `--engine sglang` without the engines: the command lines they would run, and the
+one-line refusals of what the engines cannot serve. The engines themselves are tested in test_vllm.py and
+test_sglang.py, in the environments scripts/run_vllm_tests.sh and scripts/run_sglang_tests.sh build."""
 
 import os
 import subprocess
@@ -66,10 +67,16 @@ def test_the_plugin_is_declared_for_vllm():
     plugin.load()()  # importable and callable without vLLM
 
 
-def _serve(*args):
+def _serve(model, *args, engine="vllm"):
     env = dict(os.environ, PYTHONPATH=SRC, HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "diff_llama.cli", "serve", *map(str, args), "--engine", "vllm"],
-                          env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "diff_llama.cli", "serve", str(model), "--engine", engine,
+                           *map(str, args)], env=env, capture_output=True, text=True, timeout=120)
+
+
+def _one_line_error(result):
+    err = result.stderr.strip()
+    assert result.returncode == 2 and err.startswith("diff-llama serve: error:") and "\n" not in err, err
+    return err
 
 
 @pytest.mark.parametrize("case", ["version 1", "transformers option", "gguf", "no vllm"])
@@ -83,9 +90,7 @@ def test_what_vllm_cannot_serve_is_refused_in_one_line(model_folders, tmp_path, 
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     if case == "no vllm" and __import__("importlib").util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
-    result = _serve(*args)
-    err = result.stderr.strip()
-    assert result.returncode == 2 and err.startswith("diff-llama serve: error:") and "\n" not in err, err
+    err = _one_line_error(_serve(*args))
     for words in expected:
         assert words in err, err
 
@@ -140,7 +145,118 @@ def test_tensor_parallel_is_refused_for_the_transformers_server(model_folders):
     result = subprocess.run([sys.executable, "-m", "diff_llama.cli", "serve", str(model_folders[2]),
                              "--tensor-parallel-size", "2"], env=env, capture_output=True, text=True, timeout=120)
     err = result.stderr.strip()
-    assert result.returncode == 2 and "\n" not in err and "--engine vllm" in err, err
+    assert result.returncode == 2 and "\n" not in err and "--engine vllm or --engine sglang" in err, err
+
+
+def test_a_diff_v2_folder_goes_to_sglangs_transformers_backend_as_remote_code(model_folders, tokenizer):
+    from diff_llama.serving import sglang_command
+
+    folder = str(model_folders[2])
+    command = sglang_command(folder, ServeOptions(engine="sglang", port=8123, trust_remote_code=True))
+    assert command[:4] == [sys.executable, "-m", "sglang.launch_server", "--model-path"] and command[4] == folder
+    options = dict(zip(command[5::2], command[6::2]))
+    assert options["--model-impl"] == "transformers" and options["--port"] == "8123"
+    assert options["--dtype"] == "float32"  # the checkpoint's: SGLang's own auto serves float32 in half precision
+    assert options["--device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # SGLang's own default is CUDA
+    assert options["--served-model-name"] == folder and command[-1] == "--trust-remote-code"
+    assert "--tp-size" not in command
+    bigger = Path(folder).parent / "v2-8-2"
+    tiny_model(diff_version=2, vocab_size=len(tokenizer), num_attention_heads=8, num_key_value_heads=2,
+               hidden_size=96).save_pretrained(bigger)
+    tokenizer.save_pretrained(bigger)
+    split = sglang_command(str(bigger), ServeOptions(engine="sglang", device="cpu", tensor_parallel_size=2,
+                                                     trust_remote_code=True))
+    assert split[split.index("--tp-size") + 1] == "2" and split[split.index("--device") + 1] == "cpu"
+
+
+def test_the_engines_own_options_go_after_the_dashes_to_the_end_of_its_command(model_folders):
+    """`-- --max-model-len 64` reaches vLLM as written, after the options diff-llama made (the parser keeps every word
+    after --, dashes and all). Here vLLM is missing, so the command stops at its one-line install error, after the
+    options were checked."""
+    from diff_llama_cli.parser import parse
+
+    model, engine_args, options = parse("serve", [str(model_folders[2]), "--engine", "vllm", "--",
+                                                  "--max-model-len", "64", "--enforce-eager"])
+    assert model == str(model_folders[2]) and engine_args == ["--max-model-len", "64", "--enforce-eager"]
+    assert options.engine == "vllm"
+    assert parse("serve", [str(model_folders[2])])[1] == []
+    if __import__("importlib").util.find_spec("vllm") is None:
+        err = _one_line_error(_serve(model_folders[2], "--", "--max-model-len", "64"))
+        assert "vLLM, which is not installed" in err, err
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--", "--port", "9000"], ["--port after --", "diff-llama serve's own --port"]),
+    (["--", "--tp=2"], ["--tp after --", "--tensor-parallel-size"]),
+    (["--", "--model-impl", "vllm"], ["--model-impl after --", "sets it for MODEL"]),
+    (["--max-model-len", "64"], ["unknown option --max-model-len"]),
+    (["extra"], ["unexpected argument 'extra'", "then -- before any ENGINE_ARGS"]),
+])
+def test_engine_options_in_the_wrong_place_are_refused_in_one_line(model_folders, args, expected):
+    err = _one_line_error(_serve(model_folders[2], *args))
+    for words in expected:
+        assert words in err, err
+
+
+def test_the_transformers_server_refuses_words_after_the_dashes(model_folders):
+    env = dict(os.environ, PYTHONPATH=SRC, HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, "-m", "diff_llama.cli", "serve", str(model_folders[2]), "--",
+                             "--max-model-len", "64"], env=env, capture_output=True, text=True, timeout=120)
+    err = result.stderr.strip()
+    assert result.returncode == 2 and "\n" not in err, err
+    assert "--max-model-len: the words after -- are vLLM's or SGLang's options" in err, err
+
+
+def test_a_diff_llama_without_trust_remote_code_is_refused_by_the_sglang_engine(model_folders):
+    err = _one_line_error(_serve(model_folders[2], engine="sglang"))
+    assert "code saved in its folder" in err and "add --trust-remote-code" in err, err
+
+
+@pytest.mark.parametrize("case", ["version 1", "old code", "no code", "numbered device", "transformers option",
+                                  "heads split", "no sglang"])
+def test_what_sglang_cannot_serve_is_refused_in_one_line(model_folders, tmp_path, case):
+    """Each refusal names the problem and its fix, before SGLang starts (where it would fail minutes later, deep in its
+    loader). A folder whose code predates `load_weights` stops SGLang on `self_attn.lambda_proj` (docs/serving.md).
+    In this process: the command line's one-line form of these errors is the previous test's."""
+    import shutil
+
+    from diff_llama.errors import MissingPackageError, UserError
+    from diff_llama.serving import serve
+
+    v2 = model_folders[2]
+    old, no_code = tmp_path / "old", tmp_path / "no-code"
+    shutil.copytree(v2, old)
+    code = old / "modeling_diff_llama.py"
+    code.write_text(code.read_text().replace("def load_weights(", "def load_other_weights("))
+    shutil.copytree(v2, no_code)
+    (no_code / "modeling_diff_llama.py").unlink()
+    model, options, expected = {
+        "version 1": (model_folders[1], {}, ["version 1", "SGLang cannot serve", "DIFF V2"]),
+        "old code": (old, {}, ["without SGLang support", "re-save the folder", "docs/serving.md"]),
+        "no code": (no_code, {}, ["no modeling_diff_llama.py", "re-save the folder"]),
+        "numbered device": (v2, {"device": "cuda:1"}, ["--device cuda:1", "CUDA_VISIBLE_DEVICES"]),
+        "transformers option": (v2, {"request_timeout": 30}, ["--request-timeout", "transformers server"]),
+        "heads split": (v2, {"tensor_parallel_size": 2}, ["SGLang splits", "sizes that work here: [1"]),
+        "no sglang": (v2, {}, ["SGLang, which is not installed", "pip install sglang==0.5.23"]),
+    }[case]
+    if case == "no sglang" and __import__("importlib").util.find_spec("sglang") is not None:
+        pytest.skip("SGLang is installed here")
+    before = {path: path.read_bytes() for path in old.iterdir()}
+    with pytest.raises((UserError, MissingPackageError)) as refused:
+        serve(str(model), ServeOptions(engine="sglang", trust_remote_code=True, port=_free_port(), **options))
+    err = str(refused.value)
+    assert "\n" not in err
+    for words in expected:
+        assert words in err, err
+    assert {path: path.read_bytes() for path in old.iterdir()} == before  # the refusal leaves the folder as it was
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("version", [1, 2])
