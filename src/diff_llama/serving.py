@@ -359,13 +359,18 @@ def vllm_command(model: str, options) -> list[str]:
                "--served-model-name", *dict.fromkeys([str(model), location.name_or_path]),
                "--host", options.host, "--port", str(options.port), "--dtype", engine_dtype(config, options.dtype),
                "--uvicorn-log-level", options.log_level]
-    if config.model_type == MODEL_TYPE:
-        command += ["--model-impl", "transformers"]
+    return command + backend_options(config, options, "--tensor-parallel-size")
+
+
+def backend_options(config, options, tp_flag: str) -> list[str]:
+    """The end of both engines' command lines: their Transformers backend for a DiffLlama, the tensor-parallel size
+    (`tp_flag` is the engine's name for it) and remote code."""
+    words = ["--model-impl", "transformers"] if config.model_type == MODEL_TYPE else []
     if options.tensor_parallel_size != 1:
-        command += ["--tensor-parallel-size", str(options.tensor_parallel_size)]
+        words += [tp_flag, str(options.tensor_parallel_size)]
     if options.trust_remote_code:
-        command.append("--trust-remote-code")
-    return command
+        words.append("--trust-remote-code")
+    return words
 
 
 def sglang_command(model: str, options) -> list[str]:
@@ -391,12 +396,7 @@ def sglang_command(model: str, options) -> list[str]:
             raise UserError(f"SGLang builds a DiffLlama from the code saved in its folder (it has no plugin hook, "
                             f"unlike vLLM): add --trust-remote-code to serve {model} with it")
         refuse_code_without_load_weights(model, location)
-        command += ["--model-impl", "transformers"]
-    if options.tensor_parallel_size != 1:
-        command += ["--tp-size", str(options.tensor_parallel_size)]
-    if options.trust_remote_code:
-        command.append("--trust-remote-code")
-    return command
+    return command + backend_options(config, options, "--tp-size")
 
 
 SGLANG_DEVICES = ("cuda", "cpu", "xpu", "hpu", "npu", "musa")
