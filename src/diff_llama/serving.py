@@ -404,7 +404,7 @@ SGLANG_DEVICES = ("cuda", "cpu", "xpu", "hpu", "npu", "musa")
 
 def refuse_code_without_load_weights(model: str, location) -> None:
     """One line where a local folder lacks the modeling code SGLang runs, or has code from before
-    `DiffLlamaV2Attention.load_weights` (diff-llama before 2026-12-02), with which SGLang stops while loading, on
+    `DiffLlamaV2Attention.load_weights` (saved by an older diff-llama), with which SGLang stops while loading, on
     `self_attn.lambda_proj`. (A Hub model's code is SGLang's to fetch.)"""
     import os
 
