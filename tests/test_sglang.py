@@ -10,41 +10,23 @@ once more, by SGLang's own command.
 
 import importlib.util
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
+
+from engine_serving import DIFF_LLAMA, NEW_TOKENS, ServerProcess, free_port, prompt_ids
+from engine_serving import converted  # noqa: F401 (a fixture: pytest finds it by its name here)
 
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("needs SGLang: bash scripts/run_sglang_tests.sh builds .venv-sglang with it", allow_module_level=True)
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
-DIFF_LLAMA = str(Path(sys.executable).parent / "diff-llama")
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a city made of glass,"]
-NEW_TOKENS = 32
 # On a CPU SGLang picks its attention written in torch by itself; its KV cache is sized here for a test rather than
 # for the machine's memory.
 CACHE_SIZE = ["--max-total-tokens", "8192"]
-
-
-def _run(*args, timeout=900):
-    result = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _post(url, body):
@@ -53,31 +35,22 @@ def _post(url, body):
         return json.loads(reply.read())
 
 
-class Server:
+class Server(ServerProcess):
     """SGLang's server on a folder until `stop`: started by `diff-llama serve --engine sglang` (`plain=False`), or by
     `python -m sglang.launch_server` as SGLang's documentation runs it."""
 
     def __init__(self, folder, log, plain=False):
-        self.folder, self.log, self.port = folder, log, _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        port = free_port()
+        self.base = f"http://127.0.0.1:{port}"
+        address = ["--host", "127.0.0.1", "--port", str(port)]
         if plain:
             command = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(folder), "--model-impl",
-                       "transformers", "--trust-remote-code", "--dtype", "float32", "--device", "cpu"]
-        else:
-            command = [DIFF_LLAMA, "serve", str(folder), "--engine", "sglang", "--trust-remote-code", "--device", "cpu"]
-        command += ["--host", "127.0.0.1", "--port", str(self.port)] + (CACHE_SIZE if plain else ["--", *CACHE_SIZE])
-        with open(log, "w") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
-        deadline = time.monotonic() + 600
-        while True:
-            assert self.process.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, log.read_text()[-4000:]
-            try:
-                with urllib.request.urlopen(f"{self.base}/health", timeout=5):
-                    break
-            except OSError:
-                time.sleep(2)
+                       "transformers", "--trust-remote-code", "--dtype", "float32", "--device", "cpu", *address,
+                       *CACHE_SIZE]
+        else:  # SGLang's own options go after `--`
+            command = [DIFF_LLAMA, "serve", str(folder), "--engine", "sglang", "--trust-remote-code", "--device", "cpu",
+                       *address, "--", *CACHE_SIZE]
+        super().__init__(command, log, f"{self.base}/health", env={"HF_HUB_OFFLINE": "1"})
 
     def generate(self, ids, max_new_tokens=NEW_TOKENS):
         """SGLang's greedy tokens for a prompt's ids, and the log-probability it gave each."""
@@ -87,23 +60,6 @@ class Server:
         })
         logprobs = [logprob for logprob, _token, _text in reply["meta_info"]["output_token_logprobs"]]
         return reply["output_ids"], logprobs
-
-    def stop(self):
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)  # the server and its scheduler and detokenizer processes
-        except ProcessLookupError:
-            return
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("sglang") / "smollm2-diff"
-    _run(DIFF_LLAMA, "convert", "smollm2", str(folder))
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -129,13 +85,6 @@ def server(converted, tmp_path_factory):
     server.stop()
 
 
-def _prompt_ids(folder):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    return [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
-
-
 def _generate(folder, prompts, max_new_tokens=NEW_TOKENS):
     """transformers' greedy tokens and their log-probabilities, one prompt at a time, with this package's classes;
     an end-of-sequence token is kept, as SGLang keeps it."""
@@ -147,13 +96,14 @@ def _generate(folder, prompts, max_new_tokens=NEW_TOKENS):
         out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)
         tokens = out.sequences[0, len(ids):].tolist()
-        logprobs = [torch.log_softmax(logits[0].double(), -1)[token].item() for logits, token in zip(out.logits, tokens)]
+        logprobs = [torch.log_softmax(logits[0].double(), -1)[token].item()
+                    for logits, token in zip(out.logits, tokens)]
         results.append((tokens, logprobs))
     return results
 
 
 def _assert_served_as_generate(server, folder):
-    prompts = _prompt_ids(folder)
+    prompts = prompt_ids(folder)
     for ids, (tokens, logprobs) in zip(prompts, _generate(folder, prompts)):
         served_tokens, served_logprobs = server.generate(ids)
         assert served_tokens == tokens

@@ -10,16 +10,14 @@ ranks runs in the offline engine with tensor parallel 2.
 import importlib.util
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+
+from engine_serving import DIFF_LLAMA, NEW_TOKENS, ServerProcess, free_port, prompt_ids, run
+from engine_serving import converted  # noqa: F401 (a fixture: pytest finds it by its name here)
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("needs vLLM: bash scripts/run_vllm_tests.sh builds .venv-vllm with it", allow_module_level=True)
@@ -27,42 +25,19 @@ if importlib.util.find_spec("vllm") is None:
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 HERE = Path(__file__).parent
-DIFF_LLAMA = str(Path(sys.executable).parent / "diff-llama")
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a city made of glass,"]
-NEW_TOKENS = 32
 # vLLM's CPU engine reserves this many GiB for its KV cache; its default is sized for a server, not a test.
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-
-
-def _run(*args, timeout=900, env=None):
-    result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vllm") / "smollm2-diff"
-    _run(DIFF_LLAMA, "convert", "smollm2", str(folder))
-    return folder
 
 
 @pytest.fixture(scope="module")
 def adapted(converted, tmp_path_factory):
     """A few real `adapt` steps: enough to move λ's projection off the conversion's zero, so λ varies by token."""
     folder = tmp_path_factory.mktemp("vllm") / "smollm2-diff-adapted"
-    _run(DIFF_LLAMA, "adapt", str(converted), str(folder), "--max-steps", "3", "--min-length", "192",
-         "--max-length", "256", "--max-needles", "2", "--max-queries", "1", "--text-every", "0",
-         "--eval-lengths", "256", "--eval-settings", "2x1", "--eval-cases", "1", "--threads", "2",
-         "--differential-learning-rate", "1e-3")
+    run(DIFF_LLAMA, "adapt", str(converted), str(folder), "--max-steps", "3", "--min-length", "192",
+        "--max-length", "256", "--max-needles", "2", "--max-queries", "1", "--text-every", "0",
+        "--eval-lengths", "256", "--eval-settings", "2x1", "--eval-cases", "1", "--threads", "2",
+        "--differential-learning-rate", "1e-3")
     return folder
-
-
-def _prompt_ids(folder):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    return [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
 
 
 def _without_eos(tokens, eos):
@@ -83,46 +58,23 @@ def _generate(folder, prompts, max_new_tokens=NEW_TOKENS):
     return tokens, eos
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(converted, tmp_path_factory):
     """`diff-llama serve CONVERTED --engine vllm` for the whole module; yields (base URL, served name)."""
-    port = _free_port()
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    with open(log, "w") as out:
-        process = subprocess.Popen([DIFF_LLAMA, "serve", str(converted), "--engine", "vllm",  # default dtype: the checkpoint's
-                                    "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, **VLLM_ENV}, start_new_session=True)
+    port = free_port()
     base = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert process.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, log.read_text()[-4000:]
-            try:
-                with urllib.request.urlopen(f"{base}/models", timeout=5):
-                    break
-            except OSError:
-                time.sleep(2)
-        yield base, str(converted)
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)  # the server and its engine processes
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+    # The default dtype: the checkpoint's.
+    server = ServerProcess([DIFF_LLAMA, "serve", str(converted), "--engine", "vllm", "--port", str(port)],
+                           tmp_path_factory.mktemp("vllm") / "server.log", f"{base}/models", env=VLLM_ENV)
+    yield base, str(converted)
+    server.stop()
 
 
 def test_served_conversion_gives_generates_greedy_tokens(server, converted):
     from openai import OpenAI
 
     base, name = server
-    prompts = _prompt_ids(converted)
+    prompts = prompt_ids(converted)
     expected, eos = _generate(converted, prompts)
     client = OpenAI(base_url=base, api_key="none")
     for ids, want in zip(prompts, expected):
@@ -159,11 +111,11 @@ def test_adapted_model_as_remote_code_gives_generates_greedy_tokens(adapted):
     assert all(weight.abs().max() > 0 for weight in lambda_proj)  # λ = sigmoid(x·w) varies by token
     del model
 
-    prompts = _prompt_ids(adapted)
+    prompts = prompt_ids(adapted)
     expected, eos = _generate(adapted, prompts)
     # VLLM_PLUGINS names no plugin: vLLM loads none, so the model comes from the folder's own code.
-    result = _run(sys.executable, str(HERE / "vllm_worker.py"), str(adapted), json.dumps(prompts), str(NEW_TOKENS),
-                  "--trust-remote-code", env={**VLLM_ENV, "VLLM_PLUGINS": "none"})
+    result = run(sys.executable, str(HERE / "vllm_worker.py"), str(adapted), json.dumps(prompts), str(NEW_TOKENS),
+                 "--trust-remote-code", env={**VLLM_ENV, "VLLM_PLUGINS": "none"})
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     served = json.loads(line.removeprefix("RESULT "))
     assert not served["diff_llama_imported"]
@@ -190,7 +142,7 @@ def splittable(converted, tmp_path_factory):
 def test_diff_v2_split_over_two_ranks_gives_generates_greedy_tokens(splittable):
     """vLLM's tensor parallel (ranks as processes on a CPU) reads the plan DIFF V2 gives it: q/k/v and λ's projection
     split by whole pairs and key/value heads, o_proj by rows."""
-    prompts = _prompt_ids(splittable)
+    prompts = prompt_ids(splittable)
     expected, eos = _generate(splittable, prompts, max_new_tokens=16)
     # vLLM binds each rank's threads to the cores of a NUMA node of its own unless told which cores each rank takes
     # ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers" on a one-node machine).
@@ -198,8 +150,8 @@ def test_diff_v2_split_over_two_ranks_gives_generates_greedy_tokens(splittable):
     binding = "|".join(",".join(map(str, cores[rank::2])) for rank in range(2)) if len(cores) >= 2 else None
     if binding is None:
         pytest.skip("tensor parallel 2 on a CPU needs 2 cores to bind its ranks to")
-    result = _run(sys.executable, str(HERE / "vllm_worker.py"), str(splittable), json.dumps(prompts), "16",
-                  "--tensor-parallel-size", "2", env={**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": binding})
+    result = run(sys.executable, str(HERE / "vllm_worker.py"), str(splittable), json.dumps(prompts), "16",
+                 "--tensor-parallel-size", "2", env={**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": binding})
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     served = json.loads(line.removeprefix("RESULT "))
     assert [_without_eos(tokens, eos) for tokens in served["tokens"]] == expected
@@ -208,12 +160,12 @@ def test_diff_v2_split_over_two_ranks_gives_generates_greedy_tokens(splittable):
 def test_the_second_start_loads_the_compiled_model_from_vllms_cache(splittable, tmp_path):
     """vLLM compiles the model on its first start and saves it under VLLM_CACHE_ROOT; the second start of the same
     model must load it (vllm-cpu 0.32.0 needs the plugin's loading step for that) and give the same tokens."""
-    prompts = _prompt_ids(splittable)[:1]
+    prompts = prompt_ids(splittable)[:1]
     # The test reads vLLM's INFO lines; importing TRL (test_trl.py, collected in the same session) sets
     # VLLM_LOGGING_LEVEL=ERROR in this process's environment, which the workers would inherit.
     env = {**VLLM_ENV, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_LOGGING_LEVEL": "INFO"}
-    starts = [_run(sys.executable, str(HERE / "vllm_worker.py"), str(splittable), json.dumps(prompts), "8", "--compile",
-                   env=env) for _ in range(2)]
+    starts = [run(sys.executable, str(HERE / "vllm_worker.py"), str(splittable), json.dumps(prompts), "8", "--compile",
+                  env=env) for _ in range(2)]
     logs = [start.stdout + start.stderr for start in starts]
     assert "saved AOT compiled function" in logs[0], logs[0][-3000:]
     assert "Directly load AOT compilation" in logs[1] and "load failure" not in logs[1], logs[1][-3000:]

@@ -58,8 +58,9 @@ def load_lambda_under_checkpoint_names(module, state_dict, prefix, *args) -> Non
     would otherwise leave λ silently at its old values."""
     for key in [key for key in state_dict if key.startswith(prefix)]:
         name = key[len(prefix):]
-        if lambda_memory_name(name) != name:
-            state_dict.setdefault(prefix + lambda_memory_name(name), state_dict.pop(key))
+        memory_name = lambda_memory_name(name)
+        if memory_name != name:
+            state_dict.setdefault(prefix + memory_name, state_dict.pop(key))
 
 
 class DiffLlamaLambda(nn.Module):

@@ -187,7 +187,8 @@ def parse(name: str, argv) -> list:
     command = COMMANDS[name]
     argv, after = list(argv), []
     if command.after_dashes and "--" in argv:  # the words after it are another program's: argparse never reads them
-        argv, after = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+        dashes = argv.index("--")
+        argv, after = argv[:dashes], argv[dashes + 1:]
     argv = _expand_options(parser, name, argv)
     if not command.after_dashes:
         values = vars(parser.parse_args(argv))
