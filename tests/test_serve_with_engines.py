@@ -198,6 +198,15 @@ def test_engine_options_in_the_wrong_place_are_refused_in_one_line(model_folders
         assert words in err, err
 
 
+def test_the_usage_shows_the_dashes_before_the_engines_options_and_requires_only_model():
+    env = dict(os.environ, PYTHONPATH=SRC, HF_HUB_OFFLINE="1", COLUMNS="200")
+    run = [sys.executable, "-m", "diff_llama.cli", "serve"]
+    usage = subprocess.run(run + ["--help"], env=env, capture_output=True, text=True, timeout=120).stdout
+    assert " model [-- ENGINE_ARG ...]" in usage.split("\n\n")[0], usage
+    missing = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "the following arguments are required: model (" in missing.stderr, missing.stderr
+
+
 def test_the_transformers_server_refuses_words_after_the_dashes(model_folders):
     env = dict(os.environ, PYTHONPATH=SRC, HF_HUB_OFFLINE="1")
     result = subprocess.run([sys.executable, "-m", "diff_llama.cli", "serve", str(model_folders[2]), "--",
