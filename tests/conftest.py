@@ -215,6 +215,21 @@ SMOLLM2_CHAT_TEMPLATE = (
 )
 
 
+def skip_unless_serving():
+    """Skip the calling test module where `diff-llama serve` cannot run: without the serving extras, or on a
+    transformers whose server it refuses. Returns the `openai` client package."""
+    openai = pytest.importorskip("openai", reason="serving needs transformers[serving]")
+    pytest.importorskip("fastapi", reason="serving needs transformers[serving]")
+    pytest.importorskip("uvicorn", reason="serving needs transformers[serving]")
+    try:  # the package supports transformers 5.16.1, whose server `diff-llama serve` refuses in one line
+        from diff_llama.serving import require_server_with_gguf_loading
+
+        require_server_with_gguf_loading()
+    except ImportError as error:
+        pytest.skip(str(error), allow_module_level=True)
+    return openai
+
+
 def with_chat_template(tokenizer, template: str, special_tokens=()):
     """A copy of `tokenizer` that chats with `template` (and has `special_tokens`). A copy, because the `tokenizer`
     fixture is shared by the whole session: a template set on it would change what later tests see."""

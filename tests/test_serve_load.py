@@ -15,17 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_model, with_chat_template
+from conftest import skip_unless_serving, tiny_model, with_chat_template
 
-pytest.importorskip("openai", reason="serving needs transformers[serving]")
-pytest.importorskip("fastapi", reason="serving needs transformers[serving]")
-pytest.importorskip("uvicorn", reason="serving needs transformers[serving]")
-try:  # the package supports transformers 5.16.1, whose server `diff-llama serve` refuses in one line
-    from diff_llama.serving import require_server_with_gguf_loading
-
-    require_server_with_gguf_loading()
-except ImportError as error:
-    pytest.skip(str(error), allow_module_level=True)
+skip_unless_serving()
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 CHAT_TEMPLATE = (
