@@ -222,9 +222,9 @@ def skip_unless_serving():
     pytest.importorskip("fastapi", reason="serving needs transformers[serving]")
     pytest.importorskip("uvicorn", reason="serving needs transformers[serving]")
     try:  # the package supports transformers 5.16.1, whose server `diff-llama serve` refuses in one line
-        from diff_llama.serving import require_server_with_gguf_loading
+        from diff_llama.serving import require_supported_server
 
-        require_server_with_gguf_loading()
+        require_supported_server()
     except ImportError as error:
         pytest.skip(str(error), allow_module_level=True)
     return openai

@@ -482,7 +482,7 @@ def test_serve_on_a_port_in_use_is_one_line_before_the_model_loads(tmp_path, tok
 
     tiny_model(diff_version=2, vocab_size=len(tokenizer)).save_pretrained(tmp_path / "m")
     tokenizer.save_pretrained(tmp_path / "m")
-    monkeypatch.setattr(serving, "require_server_with_gguf_loading", lambda: pytest.fail("went on to the server"))
+    monkeypatch.setattr(serving, "require_supported_server", lambda: pytest.fail("went on to the server"))
     monkeypatch.setattr(serving, "vllm_server_launcher", lambda: ["python", "-m", "vllm.entrypoints.cli.main",
                                                                   "serve"])
     with socket.socket() as taken:

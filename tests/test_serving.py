@@ -346,15 +346,22 @@ def test_the_server_loads_a_diff_llamas_tokenizer_without_asking_for_processor_f
     assert isinstance(processor, PreTrainedTokenizerBase) and processor("The quick").input_ids
 
 
-def test_an_older_server_without_gguf_loading_is_refused_in_one_line(monkeypatch):
+def test_a_server_this_package_does_not_extend_is_refused_in_one_line(monkeypatch):
+    """Servers before 5.17 load no GGUF file; from 5.25 on, models load in a process of their own, through a
+    `ModelLoader` this package's loading never reaches (the manager has no `_load_model`)."""
     from transformers.cli.serving.model_manager import ModelManager
 
-    from diff_llama.serving import require_server_with_gguf_loading
+    from diff_llama.serving import require_supported_server
 
-    require_server_with_gguf_loading()  # the installed transformers serve takes gguf_file
-    monkeypatch.setattr(ModelManager, "_load_model", lambda self, model_id_and_revision, tqdm_class=None: None)
-    with pytest.raises(ImportError, match=r"transformers 5\.17 or newer .*pip install -U"):
-        require_server_with_gguf_loading()
+    require_supported_server()  # the installed transformers serve loads in its own process and takes gguf_file
+    with monkeypatch.context() as patch:
+        patch.setattr(ModelManager, "_load_model", lambda self, model_id_and_revision, tqdm_class=None: None)
+        with pytest.raises(ImportError, match=r"transformers 5\.17 or newer .*pip install -U"):
+            require_supported_server()
+    monkeypatch.delattr(ModelManager, "_load_model")
+    with pytest.raises(ImportError, match=r"5\.17 to 5\.24, and this is .*process of its own: pip install "
+                                          r"\"transformers>=5\.17,<5\.25\".*--engine vllm or --engine sglang"):
+        require_supported_server()
 
 
 def test_split_revision_keeps_an_at_sign_of_an_existing_path(tmp_path):

@@ -67,18 +67,28 @@ def split_revision(model_id_and_revision: str) -> tuple[str, str | None]:
     return model_id, revision or None
 
 
-def require_server_with_gguf_loading() -> None:
-    """The model manager this module extends loads GGUF files (its `_load_model` takes `gguf_file`), which transformers
-    serve does from 5.17 on; older servers are refused in one line rather than failing mid-request."""
+def require_supported_server() -> None:
+    """The model manager this module extends loads models in the server's own process (its `_load_model`, which takes
+    `gguf_file`): transformers serve from 5.17 to 5.24. Older servers, and the later ones that load each model in a
+    process of their own (a `ModelLoader` in a spawned process, which this module's loading never reaches: they would
+    build the built-in `diffllama` class from a DiffLlama folder), are refused in one line rather than failing or
+    answering with another model."""
     import inspect
 
     import transformers
     from transformers.cli.serving.model_manager import ModelManager
 
-    if "gguf_file" not in inspect.signature(ModelManager._load_model).parameters:
+    load_model = getattr(ModelManager, "_load_model", None)
+    if load_model is None:
+        raise MissingPackageError(
+            f"diff-llama serve runs the server of transformers 5.17 to 5.24, and this is {transformers.__version__}, "
+            'whose server loads models in a process of its own: pip install "transformers>=5.17,<5.25" (what pip '
+            'install "diff-llama[serving]" picks), or serve a DIFF V2 model with --engine vllm or --engine sglang'
+        )
+    if "gguf_file" not in inspect.signature(load_model).parameters:
         raise MissingPackageError(
             f"diff-llama serve needs the server of transformers 5.17 or newer (this is {transformers.__version__}): "
-            'pip install -U "transformers>=5.17"'
+            'pip install -U "transformers>=5.17,<5.25"'
         )
 
 
@@ -233,7 +243,7 @@ def serve(model: str, options, engine_args=()) -> int:
             "serving needs transformers' serving extras (fastapi, uvicorn, openai, pydantic): "
             'pip install "diff-llama[serving]"'
         )
-    require_server_with_gguf_loading()
+    require_supported_server()
     from transformers.cli.serve import Serve
 
     names = " or ".join(repr(n) for n in sorted({model, force_model}))
