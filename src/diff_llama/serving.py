@@ -70,9 +70,9 @@ def split_revision(model_id_and_revision: str) -> tuple[str, str | None]:
 def require_supported_server() -> None:
     """The model manager this module extends loads models in the server's own process (its `_load_model`, which takes
     `gguf_file`): transformers serve from 5.17 to 5.24. Older servers, and the later ones that load each model in a
-    process of their own (a `ModelLoader` in a spawned process, which this module's loading never reaches: they would
-    build the built-in `diffllama` class from a DiffLlama folder), are refused in one line rather than failing or
-    answering with another model."""
+    process of their own (a `ModelLoader` in a spawned process, which this module's loading never reaches: there a
+    DiffLlama folder needs trust_remote_code, and then becomes the built-in `diffllama` class, a different model), are
+    refused in one line rather than failing or answering with another model."""
     import inspect
 
     import transformers
