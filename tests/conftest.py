@@ -215,6 +215,16 @@ SMOLLM2_CHAT_TEMPLATE = (
 )
 
 
+@pytest.fixture(autouse=True)
+def _hub_reachability_asked_anew():
+    """Each test asks anew whether a Hub answers: a port that nothing listened on in one test may be a fake Hub's in
+    the next (the system hands freed ports out again)."""
+    from diff_llama import hub
+
+    yield
+    hub._answers.clear()
+
+
 def skip_unless_serving():
     """Skip the calling test module where `diff-llama serve` cannot run: without the serving extras, or on a
     transformers whose server it refuses. Returns the `openai` client package."""

@@ -245,6 +245,31 @@ def test_a_hub_that_never_answers_is_given_up_on_after_the_timeout():
     assert reason.startswith(f"the Hugging Face Hub ({endpoint}) is not reachable (") and "Timeout" in reason
 
 
+def test_a_hub_that_comes_back_is_noticed_once_its_answer_is_old(monkeypatch):
+    """An answer is reused for `REACHABILITY_MEMORY` seconds (a command asks several times), not for the life of the
+    process: a notebook that pushes again after the network came back is not refused."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import huggingface_hub.constants
+
+    from diff_llama import hub
+    from fake_hub import unreachable_endpoint
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    endpoint = unreachable_endpoint()
+    assert "is not reachable" in hub.hub_unavailable_reason(endpoint, timeout=1)
+    server = ThreadingHTTPServer(("127.0.0.1", int(endpoint.rsplit(":", 1)[1])), BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert "is not reachable" in hub.hub_unavailable_reason(endpoint, timeout=1)  # remembered
+        monkeypatch.setattr(hub, "REACHABILITY_MEMORY", 0.0)
+        assert hub.hub_unavailable_reason(endpoint, timeout=1) is None  # any answer (here a 501) is an answer
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_generate_a_hub_id_in_a_fresh_process_without_network(tmp_path):
     """Online mode in a fresh process, on this machine's real network (no route to the Hub): one line, exit code 2,
     and within 10 s of the imports (torch and transformers alone take seconds on a loaded machine; the retries took

@@ -5,15 +5,20 @@ cache, and loading one model asks for several files. One short request answers f
 cache then loads in offline mode, and anything else fails at once, in one line.
 """
 
-import functools
 import logging
 import os
 import threading
+import time
 
 from .errors import UserError
 
 # Seconds to wait for any answer from the Hub; a reachable Hub answers in well under one.
 REACHABILITY_TIMEOUT = 3.0
+# Seconds an answer is reused: a command resolves its models several times, and a long-lived process (a notebook, a
+# server) asks again later, when the network may be back.
+REACHABILITY_MEMORY = 60.0
+# (endpoint, timeout) -> (time.monotonic() when asked, the failure or None)
+_answers: dict[tuple[str, float], tuple[float, str | None]] = {}
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +51,18 @@ def hub_unavailable_reason(endpoint: str | None = None, timeout: float = REACHAB
     return f"the Hugging Face Hub ({endpoint}) is not reachable ({failure})" if failure else None
 
 
-@functools.lru_cache(maxsize=None)
 def _request_failure(endpoint: str, timeout: float) -> str | None:
-    """What went wrong asking `endpoint` for anything, or None when it answered (whatever the answer). Asked once per
-    process: a command resolves its models several times."""
+    """What went wrong asking `endpoint` for anything, or None when it answered (whatever the answer); an answer of
+    the last `REACHABILITY_MEMORY` seconds is reused."""
+    asked = _answers.get((endpoint, timeout))
+    if asked is not None and time.monotonic() - asked[0] < REACHABILITY_MEMORY:
+        return asked[1]
+    failure = _ask(endpoint, timeout)
+    _answers[(endpoint, timeout)] = (time.monotonic(), failure)
+    return failure
+
+
+def _ask(endpoint: str, timeout: float) -> str | None:
     from huggingface_hub import get_session
 
     outcome = []  # the failure, or None for an answer
