@@ -11,8 +11,9 @@ After all have finished: /health and one more request (the server is alive), and
 Figures: output tokens/s = completion tokens of the completed streams (their `usage`) / wall time from the first
 request to the last answer; requests/s = answered requests (any status) / the same wall time; time to first token
 (first content chunk, of every stream, those that leave included) and total latency of each completed stream, p50
-and p99 (nearest rank); errors by kind; the server process's resident memory (VmRSS) when idle after the warm-up,
-its peak (sampled every 0.25 s) and 5 s after the last answer.
+and p99 (nearest rank); errors by kind; the resident memory (VmRSS) of the server's processes (the server and the
+model's process it starts) when idle after the warm-up, its peak (sampled every 0.25 s) and 5 s after the last
+answer.
 transformers' server generates for one request at a time, so a stream's time to first token is mostly its wait in
 the queue.
 
@@ -68,7 +69,16 @@ def bad_requests(model: str, context: int) -> dict[str, tuple[bytes | dict, int,
 # ---------------------------------------------------------------- memory
 
 
-def rss_mb(pid: int) -> float | None:
+def process_tree(pid: int) -> list[int]:
+    """`pid` and the processes it started, and theirs: transformers serve runs its model in a process of its own."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as children:
+            return [pid, *(tree for child in children.read().split() for tree in process_tree(int(child)))]
+    except OSError:
+        return [pid]
+
+
+def own_rss_mb(pid: int) -> float | None:
     try:
         with open(f"/proc/{pid}/status") as status:
             for line in status:
@@ -79,8 +89,15 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
+def rss_mb(pid: int) -> float | None:
+    """The resident memory of process `pid` and of every process it started (None: `pid` is gone)."""
+    sizes = [own_rss_mb(process) for process in process_tree(pid)]
+    return None if sizes[0] is None else sum(size or 0.0 for size in sizes)
+
+
 class PeakMemory:
-    """The highest resident memory of process `pid`, sampled every 0.25 s in a thread while in the context."""
+    """The highest resident memory of process `pid` and those it started, sampled every 0.25 s in a thread while in
+    the context."""
 
     def __init__(self, pid: int):
         self.pid, self.peak, self._stop = pid, 0.0, threading.Event()
@@ -366,7 +383,7 @@ def render(result: dict) -> str:
         f"{result['load_1min']['after']:.2f} after. Tracebacks in the server's log: {len(result['server_log_errors'])}"
         + "".join(f"; `{line}`" for line in result["server_log_errors"][:3]) + ".",
         "",
-        f"Server memory (VmRSS): idle {_s(memory['idle'], 0)} MB, peak {_s(memory['peak'], 0)} MB, "
+        f"Memory of the server's processes (VmRSS): idle {_s(memory['idle'], 0)} MB, peak {_s(memory['peak'], 0)} MB, "
         f"{SETTLE_SECONDS} s after the last answer {_s(memory['after'], 0)} MB. After the load: /health "
         f"{result['after']['health']}, one more request {result['after']['request_status']} in "
         f"{result['after']['request_s']:.1f} s.",

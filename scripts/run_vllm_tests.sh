@@ -30,6 +30,3 @@ export TMPDIR
 trap 'rm -rf "$TMPDIR"' EXIT
 "$venv/bin/python" -c 'import transformers, vllm; print(f"vllm {vllm.__version__}, transformers {transformers.__version__}, tests marked vllm")'
 "$venv/bin/python" -m pytest -q -p no:cacheprovider -m vllm "$@"
-# transformers' own server (diff-llama serve) on the transformers that vLLM users get: the server changed between
-# 5.17 and 5.24 (its /v1/models, for one), and the full suite only runs it on the newest.
-"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_serving.py

@@ -48,10 +48,10 @@ def prompt_ids(folder):
 class ServerProcess:
     """`command` running, its output in `log`, from when `ready_url` answers until `stop`."""
 
-    def __init__(self, command, log, ready_url, env=None):
+    def __init__(self, command, log, ready_url, env=None, cwd=None):
         self.log = log
         with open(log, "w") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
                                             env={**os.environ, **(env or {})}, start_new_session=True)
         try:
             self._wait(ready_url)

@@ -14,6 +14,9 @@ import torch
 import diff_llama
 from conftest import skip_unless_serving, tiny_model, with_chat_template
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from serve_load import own_rss_mb, process_tree  # noqa: E402
+
 openai = skip_unless_serving()
 
 SRC = str(Path(diff_llama.__file__).parent.parent)
@@ -156,13 +159,14 @@ def test_serve_with_continuous_batching_answers_each_request_like_generate(model
         _wait_for_server(port, process)
         with concurrent.futures.ThreadPoolExecutor(len(conversations)) as pool:
             answers = list(pool.map(answer, conversations))
-        resident = next(int(line.split()[1]) for line in Path(f"/proc/{process.pid}/status").read_text().splitlines()
-                        if line.startswith("VmRSS:")) * 1024
+        model_processes = process_tree(process.pid)[1:]  # transformers serve's model process, and what it started
+        resident = sum(own_rss_mb(pid) or 0 for pid in model_processes) * 1024**2
     finally:
         process.terminate()
         process.wait(timeout=30)
     assert answers == expected
-    assert resident < 2 * 1024**3  # the cache took what --cb-num-blocks asked for, not the machine's RAM
+    # the cache took what --cb-num-blocks asked for, not the machine's RAM
+    assert model_processes and 0 < resident < 2 * 1024**3, resident
 
 
 def test_serve_a_lora_adapter_answers_like_its_merged_model(model_dir, chat_tokenizer, tmp_path, capsys):
@@ -208,42 +212,41 @@ def test_serve_a_lora_adapter_answers_like_its_merged_model(model_dir, chat_toke
     assert "is a LoRA adapter folder (adapter_config.json), not a whole model: merge it" in capsys.readouterr().err
 
 
-def test_serve_as_remote_code_answers_like_generate(model_dir, chat_tokenizer):
-    from transformers.cli.serve import Serve
-
-    from diff_llama.serving import diff_llama_model_loading
-
+def test_serve_as_remote_code_answers_like_generate(model_dir, chat_tokenizer, tmp_path):
+    """`--trust-remote-code`: the model's process builds the model from the code saved in its folder, even where this
+    package is installed. `diff-llama serve ./served` pins the server to "served"; requests may still say "./served",
+    as typed (an alias)."""
     expected = _expected_answer(model_dir, chat_tokenizer)
+    mark = tmp_path / "remote-code-ran"
+    with open(model_dir / "modeling_diff_llama.py", "a") as code:  # the folder's code says where it ran
+        code.write('\nimport os as _os\nopen(_os.environ["REMOTE_CODE_MARK"], "w").write(__name__)\n')
     port = _free_port()
-    # `diff-llama serve smollm2` pins the server to FOLDER:FILE.gguf; requests may still say "smollm2" (an alias).
-    with diff_llama_model_loading(aliases={"as-typed"}):
-        server = Serve(force_model=str(model_dir), host="127.0.0.1", port=port, device="cpu", trust_remote_code=True,
-                       non_blocking=True)
+    env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", REMOTE_CODE_MARK=str(mark))
+    command = [sys.executable, "-m", "diff_llama.cli", "serve", f"./{model_dir.name}", "--host", "127.0.0.1",
+               "--port", str(port), "--device", "cpu", "--trust-remote-code"]
+    process = subprocess.Popen(command, env=env, cwd=model_dir.parent, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for_server(port)
-        whole, pieces = _ask(port, model_dir)
-        by_alias, unnamed, other = (_ask_naming(port, name) for name in ("as-typed", None, "another-model"))
-        served = [entry.model for entry in server._model_manager.loaded_models.values()]
+        _wait_for_server(port, process)
+        whole, pieces = _ask(port, model_dir.name)
+        by_alias, unnamed, other = (_ask_naming(port, name) for name in (f"./{model_dir.name}", None, "another-model"))
     finally:
-        server.kill_server()
-    assert [type(model).__module__.split(".")[0] for model in served] == ["transformers_modules"]  # the folder's code
-    assert type(served[0]).__name__ == "DiffLlamaForCausalLM"
+        process.terminate()
+        process.wait(timeout=30)
+    assert mark.read_text().startswith("transformers_modules.")  # the folder's code, as a dynamic module
     assert whole == expected and "".join(pieces) == expected
     assert by_alias == expected and unnamed == expected
-    assert other.startswith("HTTP 400") and "pinned" in other  # any other name is still refused
+    assert other.startswith("HTTP 404") and "model_not_found" in other  # any other name is still refused
 
 
 def test_transformers_serve_loader_alone_would_build_the_builtin_class(model_dir):
     # Why `diff-llama serve` exists: transformers serve's loader takes the class from transformers' namespace by the
     # name in config.json, which is the built-in DiffLlama (it refuses this odd-G model). If this starts passing
     # through the Auto classes, `transformers serve --trust-remote-code` is enough and the README should say so.
-    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.model_manager import ModelLoader
 
-    manager = ModelManager.__new__(ModelManager)
-    manager.attn_implementation, manager.dtype, manager.device, manager.trust_remote_code = None, "auto", "cpu", True
-    manager.quantization = None
     with pytest.raises(ValueError, match="`num_key_value_heads` to be even"):
-        manager._load_model(f"{model_dir}@main")
+        ModelLoader(device="cpu", trust_remote_code=True)._load_model(str(model_dir))
 
 
 @pytest.mark.parametrize("model", ["{tmp}/outputs/SmolLM2-diff-typo", "{tmp}/nowhere/model.gguf", "{tmp}/not-a-model"])
@@ -331,44 +334,38 @@ def test_the_server_loads_a_diff_llamas_tokenizer_without_asking_for_processor_f
     """AutoProcessor asks for image and video processor files first: from a Hub id, a request each (a minute of
     retries each without network). A DiffLlama reads text only."""
     from transformers import PreTrainedTokenizerBase
-    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.model_manager import ModelLoader
 
-    from diff_llama.serving import _model_manager_class
+    from diff_llama.serving_loader import DiffLlamaModelLoader
 
     (model_dir / "preprocessor_config.json").write_text("{ not json")  # read by anything that asks for it
-    managers = {}
-    for name, manager_class in (("transformers", ModelManager), ("diff-llama", _model_manager_class())):
-        managers[name] = manager_class.__new__(manager_class)
-        managers[name].trust_remote_code = False
     with pytest.raises(OSError, match="preprocessor_config.json"):  # transformers' own loader reads it
-        managers["transformers"]._load_processor(f"{model_dir}@main", gguf_file=None)  # 5.19's server wants @revision
-    processor = managers["diff-llama"]._load_processor(str(model_dir), gguf_file=None)
+        ModelLoader(device="cpu").load_processor(str(model_dir))
+    processor = DiffLlamaModelLoader(device="cpu").load_processor(str(model_dir))
     assert isinstance(processor, PreTrainedTokenizerBase) and processor("The quick").input_ids
 
 
+def test_the_loader_survives_the_trip_to_the_models_process():
+    """transformers serve spawns the model's process, which unpickles the server's loader: the class must be found by
+    its module's name there, with the server's settings."""
+    import pickle
+
+    from diff_llama.serving_loader import DiffLlamaModelLoader
+
+    loader = pickle.loads(pickle.dumps(DiffLlamaModelLoader(device="cpu", dtype="bfloat16", trust_remote_code=True)))
+    assert type(loader) is DiffLlamaModelLoader
+    assert (loader.device, loader.dtype, loader.trust_remote_code) == ("cpu", torch.bfloat16, True)
+
+
 def test_a_server_this_package_does_not_extend_is_refused_in_one_line(monkeypatch):
-    """Servers before 5.17 load no GGUF file; from 5.25 on, models load in a process of their own, through a
-    `ModelLoader` this package's loading never reaches (the manager has no `_load_model`)."""
-    from transformers.cli.serving.model_manager import ModelManager
+    """Servers before 5.25 load models in the server's own process, through a manager this package no longer
+    extends (they have no `ModelLoader`)."""
+    from transformers.cli.serving import model_manager
 
     from diff_llama.serving import require_supported_server
 
-    require_supported_server()  # the installed transformers serve loads in its own process and takes gguf_file
-    with monkeypatch.context() as patch:
-        patch.setattr(ModelManager, "_load_model", lambda self, model_id_and_revision, tqdm_class=None: None)
-        with pytest.raises(ImportError, match=r"transformers 5\.17 or newer .*pip install -U"):
-            require_supported_server()
-    monkeypatch.delattr(ModelManager, "_load_model")
-    with pytest.raises(ImportError, match=r"5\.17 to 5\.24, and this is .*process of its own: pip install "
-                                          r"\"transformers>=5\.17,<5\.25\".*--engine vllm or --engine sglang"):
+    require_supported_server()  # the installed transformers serve loads through a ModelLoader
+    monkeypatch.delattr(model_manager, "ModelLoader")
+    with pytest.raises(ImportError, match=r"transformers 5\.25 or newer, and this is .*: pip install -U "
+                                          r"\"transformers>=5\.25,<6\".*--engine vllm or --engine sglang"):
         require_supported_server()
-
-
-def test_split_revision_keeps_an_at_sign_of_an_existing_path(tmp_path):
-    from diff_llama.serving import split_revision
-
-    folder = tmp_path / "ckpt@1000"
-    folder.mkdir()
-    assert split_revision(str(folder)) == (str(folder), None)
-    assert split_revision("org/model@dev") == ("org/model", "dev")
-    assert split_revision("org/model") == ("org/model", None)

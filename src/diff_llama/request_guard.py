@@ -2,35 +2,31 @@
 server sees them, none generates past the model's context, and none runs on once its client has gone or past the
 request timeout.
 
-transformers serve (5.24) answers a body without `messages`, a `max_tokens` of 0, below 0 or not a number and a
-`temperature` that is not a number with a 500 that gives no reason (a streamed `max_tokens: 0` gets a 200 whose one
-event is an error). It runs a prompt longer than the model's context, or a `max_tokens` far past it, for as long as
-that takes (minutes on a CPU, memory growing all the while), and a request queued behind others (it generates one
-request at a time) waits with no deadline. The guard, an ASGI middleware, refuses each such request with a 4xx in
-OpenAI's error format, `{"error": {"message", "type", "param", "code"}}`, whose message names the limit and the fix
-(the context-length messages are OpenAI's own words). A request without `max_tokens` would get the generation
-config's `max_new_tokens` (at least 1024) however little room its prompt leaves; as OpenAI and vLLM do, the guard
-caps it at the room left in the context (it sets `max_tokens`, which is also what the servers before 5.24 read in
-place of `max_completion_tokens`). Anything else reaches transformers' server unchanged.
+transformers serve (5.25) answers a body without `messages`, or with messages that are not role/content objects, with
+a 500 that gives no reason, and other bad fields with a 400 or 422 in its own format (a streamed `max_tokens: 0` gets
+a 200 whose one event is an error). It runs a `max_tokens` far past the model's context for as long as that takes
+(minutes on a CPU, memory growing all the while), and a request queued behind others (it generates one request at a
+time) waits with no deadline. The guard, an ASGI middleware, refuses each such request with a 4xx in OpenAI's error
+format, `{"error": {"message", "type", "param", "code"}}`, whose message names the limit and the fix (the
+context-length messages are OpenAI's own words). A request without `max_tokens` would get the generation config's
+`max_new_tokens` (at least 1024) however little room its prompt leaves; as OpenAI and vLLM do, the guard caps it at
+the room left in the context (or in the server's `--max-model-len`). Anything else reaches transformers' server
+unchanged.
 
 Every guarded request gets `timeout` seconds, its wait for the model included. Past it, a request that has no
 answer yet gets a 503 that says so, and a stream ends with an error event. Either way the request's generation
-stops, and so it does once its client has gone: the guard reads the client's messages while the server answers, and
-sets the request's stop flag when the client has gone or the time is up. A stream's generation is cancelled through
-its streamer. transformers' server cancels it too, but only when the cancellation reaches its stream's generator,
-which it does not if the response was waiting to send a chunk then (the generator is closed when garbage collected,
-thousands of tokens later). A non-streamed generation cannot be cancelled (transformers' inference thread sets its
-result on the awaited future): a stopping criterion the guard adds to it ends it at its next token (or before it
-starts, if it is still queued). So the requests behind it get the model. Under continuous batching
-(`--continuous-batching`), a non-streamed request awaits a result that transformers' server never cancels; the guard
-takes it out of the batch, so that its place and its cache go to the requests still wanted.
+stops, and so it does once its client has gone. The guard cancels the request's handler, which cancels a
+non-streamed request in the model's process (transformers' own `CancelOnDisconnect` does the same when the client
+goes). A stream's generation is cancelled by its streamer, which transformers' server cancels only when the
+cancellation reaches the stream's generator; it does not if the response was waiting to send a chunk then (the
+generator is closed when garbage collected, thousands of tokens later). So the guard sets the request's stop flag,
+which cancels the streamer itself.
 
 Only torch-free imports at module level: `diff-llama serve --help` must not pay for them.
 """
 
 import contextlib
 import contextvars
-import functools
 import json
 import threading
 
@@ -204,12 +200,9 @@ def check_length(path: str, body: dict, prompt_tokens: int, context: int) -> Non
 
 def fit_answer_to_context(body: dict, generation_config, room: int) -> dict:
     """The body to pass on, with `max_tokens` set where transformers' server would otherwise generate past the
-    context: a request that names no answer length gets at most the `room` left in it, and one that names only
-    `max_completion_tokens` gets it as `max_tokens` too (the servers before 5.24 read `max_tokens` alone)."""
-    if body.get("max_tokens") is not None:
+    context: a request that names no answer length gets at most the `room` left in it."""
+    if body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None:
         return body
-    if body.get("max_completion_tokens") is not None:
-        return {**body, "max_tokens": body["max_completion_tokens"]}
     default = default_answer_tokens(body, generation_config)
     if default is None or default <= room:
         return body
@@ -225,11 +218,6 @@ def default_answer_tokens(body: dict, generation_config) -> int | None:
     return max(generation_config.max_new_tokens or 0, 1024)
 
 
-def context_length(model) -> int | None:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return getattr(config, "max_position_embeddings", None)
-
-
 # ---- stopping a request's generation ---------------------------------------------------------------------------------
 
 # The stop flag (a RequestStop) of the guarded request whose handler is running: transformers' handler submits its
@@ -238,7 +226,7 @@ REQUEST_STOP = contextvars.ContextVar("diff_llama_request_stop", default=None)
 
 
 class RequestStop:
-    """A guarded request's stop flag: once set, its generation ends (see `stop_generations_on_request`)."""
+    """A guarded request's stop flag: once set, its stream's streamer is cancelled (see `stop_streams_on_request`)."""
 
     def __init__(self):
         self._flag, self._lock, self._on_set = threading.Event(), threading.Lock(), []
@@ -262,31 +250,24 @@ class RequestStop:
         call()
 
 
-def stop_generations_on_request(generation_state) -> None:
-    """Makes each generation manager that `generation_state` hands out stop the generations of guarded requests on
-    their request's stop flag: a stream's streamer is cancelled, a sequential manager's non-streamed generations get
-    a stopping criterion, and continuous batching's leave the batch."""
-    from transformers.cli.serving.utils import CBGenerateManager
+def stop_streams_on_request(model_manager) -> None:
+    """Makes the streams of guarded requests that `model_manager`'s engines start end on their request's stop flag:
+    the stream's streamer is cancelled, which cancels its request in the model's process."""
+    get_engine = model_manager.get_engine
 
-    get_manager = generation_state.get_manager
+    def get_stoppable_engine(*args, **kwargs):
+        engine = get_engine(*args, **kwargs)
+        if not getattr(engine, "stops_on_request", False):
+            engine.generate_streaming = cancellable_streaming(engine.generate_streaming)
+            engine.submit_streaming = cancellable_streaming(engine.submit_streaming)
+            engine.stops_on_request = True
+        return engine
 
-    def get_stoppable_manager(*args, **kwargs):
-        manager = get_manager(*args, **kwargs)
-        if not getattr(manager, "stops_on_request", False):
-            if hasattr(manager, "async_submit"):
-                manager.async_submit = stoppable_submit(manager.async_submit)
-            if isinstance(manager, CBGenerateManager):
-                manager.generate_non_streaming = stoppable_batched_generation(manager)
-            if hasattr(manager, "generate_streaming"):
-                manager.generate_streaming = cancellable_streaming(manager.generate_streaming)
-            manager.stops_on_request = True
-        return manager
-
-    generation_state.get_manager = get_stoppable_manager
+    model_manager.get_engine = get_stoppable_engine
 
 
 def cancellable_streaming(generate_streaming):
-    """`generate_streaming` (a manager's), whose streamer is cancelled when the calling request's stop flag is set."""
+    """`generate_streaming` (an engine's), whose streamer is cancelled when the calling request's stop flag is set."""
 
     def generate_cancellable(*args, **kwargs):
         queue, streamer = generate_streaming(*args, **kwargs)
@@ -296,81 +277,6 @@ def cancellable_streaming(generate_streaming):
         return queue, streamer
 
     return generate_cancellable
-
-
-def stoppable_batched_generation(manager):
-    """`manager.generate_non_streaming` (continuous batching's), ended by the calling request's stop flag: the request
-    is cancelled in the batch and the answer is empty (nobody reads it: the guard has answered, or the client has
-    gone). transformers' own would await a result that a cancelled request never delivers, so without this a request
-    whose client left, or whose time was up, generated on in the batch to its last token."""
-    import asyncio
-
-    generate = manager.generate_non_streaming
-
-    async def generate_stoppable(model, processor, inputs, gen_config, request_id, *args, **kwargs):
-        flag = REQUEST_STOP.get()
-        if flag is None:  # not a guarded request
-            return await generate(model, processor, inputs, gen_config, request_id, *args, **kwargs)
-        loop = asyncio.get_running_loop()
-        stopped = asyncio.Event()
-        flag.call_on_set(lambda: loop.call_soon_threadsafe(stopped.set))
-        generation = asyncio.ensure_future(generate(model, processor, inputs, gen_config, request_id, *args, **kwargs))
-        waiter = asyncio.ensure_future(stopped.wait())
-        try:
-            await asyncio.wait({generation, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiter.cancel()
-            answered = generation.done()
-            if not answered:  # stopped, or this request's task was cancelled
-                manager._cb.cancel_request(request_id)
-                generation.cancel()
-        return generation.result() if answered else ("", len(inputs["input_ids"]), [])
-
-    return generate_stoppable
-
-
-def stoppable_submit(submit):
-    """`submit` (a manager's `async_submit`, which the handler calls as `async_submit(model.generate, **kwargs)`), with
-    the calling request's stop flag checked before its generation starts and after each token."""
-
-    def submit_stoppable(fn, *args, **kwargs):
-        flag = REQUEST_STOP.get()
-        if flag is None or "generation_config" not in kwargs:  # not the generation of a guarded request
-            return submit(fn, *args, **kwargs)
-        from transformers import StoppingCriteriaList
-
-        criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
-        criteria.append(stop_flag_criterion()(flag))
-        return submit(generate_unless_stopped(fn, flag), *args, **{**kwargs, "stopping_criteria": criteria})
-
-    return submit_stoppable
-
-
-def generate_unless_stopped(generate, flag):
-    """`generate`, skipped for a request stopped while it waited for the model: its prompt comes back (no answer)
-    without the seconds a long prompt's first forward pass takes."""
-
-    def run(*args, **kwargs):
-        return kwargs["input_ids"] if flag.is_set() else generate(*args, **kwargs)
-
-    return run
-
-
-@functools.cache
-def stop_flag_criterion():
-    import torch
-    from transformers import StoppingCriteria
-
-    class StopFlag(StoppingCriteria):
-        """Ends the generation once `flag` is set: its request's client has gone, or its time is up."""
-
-        def __init__(self, flag):
-            self.flag = flag
-
-        def __call__(self, input_ids, scores, **kwargs):
-            return torch.full((input_ids.shape[0],), self.flag.is_set(), dtype=torch.bool, device=input_ids.device)
-
-    return StopFlag
 
 
 # ---- the middleware --------------------------------------------------------------------------------------------------
@@ -387,7 +293,6 @@ class RequestGuard:
 
     def __init__(self, app, model_manager, timeout: float | None = None):
         self.app, self.model_manager, self.timeout = app, model_manager, timeout or None
-        self.unanswered = set()  # requests answered by a timeout whose generation is still ending
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in JSON_PATHS:
@@ -395,7 +300,7 @@ class RequestGuard:
             return
         try:
             served = self.served_model()
-            raw = await read_body(receive, body_limit(served and context_length(served[1])))
+            raw = await read_body(receive, body_limit(self.context_length(served)))
             body = parse_body(raw)
             passed = await self.check(scope["path"], body, served)
         except RequestError as error:
@@ -409,18 +314,17 @@ class RequestGuard:
         await self.answer_in_time(scope, raw, receive, send)
 
     def served_model(self):
-        """(name, model, processor) of the model the server is pinned to, or None when it serves any model. The
-        model is loaded already (transformers' server preloads it, or loads it again after /reset, as its own
-        handlers would)."""
-        from transformers.cli.serving.utils import split_model_id
-
+        """(name, engine) of the model the server is pinned to, or None when it serves any model. The engine holds the
+        model's config, generation config and processor in this process; the model runs in a process of its own."""
         name = self.model_manager.force_model
-        if name is None:
+        return None if name is None else (name, self.model_manager.get_engine(None))
+
+    def context_length(self, served) -> int | None:
+        """The most tokens a request may take, prompt and answer: the model's context, or the server's
+        `--max-model-len`."""
+        if served is None:
             return None
-        repo, gguf_file = split_model_id(str(name))
-        model, processor = self.model_manager.load_model_and_processor(
-            self.model_manager.process_model_name(repo), gguf_file=gguf_file)
-        return name, model, processor
+        return self.model_manager.generation_state.context_length(served[1].model_config)
 
     async def check(self, path: str, body: dict, served) -> dict:
         """The body to pass on to the server (`body`, or a copy whose answer fits the context); refuses a bad one."""
@@ -429,28 +333,26 @@ class RequestGuard:
         check_fields(path, body)
         if served is None:
             return body
-        _, model, processor = served
-        context = context_length(model)
+        engine = served[1]
+        context = self.context_length(served)
         if path not in COMPLETION_INPUTS or not context:
             return body
         import anyio.to_thread
 
         # off the event loop: a long prompt takes a while to tokenize, and the streams being answered go on
-        prompt_tokens = await anyio.to_thread.run_sync(count_prompt_tokens, path, body, processor)
+        prompt_tokens = await anyio.to_thread.run_sync(count_prompt_tokens, path, body, engine.processor)
         check_length(path, body, prompt_tokens, context)
-        return fit_answer_to_context(body, model.generation_config, context - prompt_tokens)
+        return fit_answer_to_context(body, engine.generation_config, context - prompt_tokens)
 
     async def answer_in_time(self, scope, raw: bytes, receive, send):
         import asyncio
 
         stop = RequestStop()
         client_gone = asyncio.Event()
-        started = answered = False
+        started = False
 
         async def watched_send(message):
             nonlocal started
-            if answered:  # the guard answered for the server already: a late answer goes nowhere
-                return
             started = started or message["type"] == "http.response.start"
             await send(message)
 
@@ -477,27 +379,19 @@ class RequestGuard:
         if done:
             app.result()  # the server's own exceptions go on to its error handling
             return
+        # Cancelling the handler cancels a non-streamed request in the model's process; a stream's flag cancels its
+        # streamer, which the response may not reach in time (see the module docstring).
         stop.set()
+        app.cancel()
+        await asyncio.gather(app, return_exceptions=True)
         error = RequestError(503, f"the request ran past the server's request timeout of {self.timeout:g} s, its "
                                   "wait for the model included: retry later, send fewer requests at once or ask for "
                                   "fewer tokens, or start the server with a longer --request-timeout", code="timeout")
-        if started:  # a stream, whose generation the flag stopped: end it as transformers' server ends a failed one
-            app.cancel()
-            await asyncio.gather(app, return_exceptions=True)
+        if started:  # a stream: end it as transformers' server ends a failed one
             await send({"type": "http.response.body", "body": b"data: " + error.json() + b"\n\n",
                         "more_body": False})
-            return
-        answered = True
-        await send_error(send, error)
-        # Not cancelled: transformers' inference thread sets the awaited result when the generation ends, an error
-        # on a cancelled future. The stop flag ends the generation at its next token, and its answer is dropped.
-        self.unanswered.add(app)
-        app.add_done_callback(self._forget)
-
-    def _forget(self, app):
-        self.unanswered.discard(app)
-        if not app.cancelled():
-            app.exception()  # retrieved: an error of a request already answered is not logged as unhandled
+        else:
+            await send_error(send, error)
 
 
 def body_limit(context: int | None) -> int | None:
@@ -551,15 +445,14 @@ async def send_error(send, error: RequestError) -> None:
 @contextlib.contextmanager
 def guarded_server(timeout: float | None):
     """Within this context, transformers' server (`transformers.cli.serve.Serve`, which imports `build_server` when
-    it starts) puts a `RequestGuard` with `timeout` in front of its app, and its generations stop on the guard's
-    word."""
+    it starts) puts a `RequestGuard` with `timeout` in front of its app, and its streams stop on the guard's word."""
     from transformers.cli.serving import server
 
     original = server.build_server
 
     def build_guarded_server(model_manager, *args, **kwargs):
         app = original(model_manager, *args, **kwargs)
-        stop_generations_on_request(kwargs["generation_state"])
+        stop_streams_on_request(model_manager)
         app.add_middleware(RequestGuard, model_manager=model_manager, timeout=timeout)
         return app
 

@@ -1,6 +1,6 @@
 """`diff-llama serve`: transformers' own OpenAI-compatible server (`transformers serve`) for DiffLlama folders.
 
-`transformers serve` (5.24) builds a model from a folder with `getattr(transformers, config.architectures[0])`, never
+`transformers serve` (5.25) builds a model from a folder with `getattr(transformers, config.architectures[0])`, never
 through the Auto classes. For a DiffLlama folder that name, `DiffLlamaForCausalLM`, is transformers' built-in
 `diffllama` class, a different model: it refuses odd `num_key_value_heads` and ignores `diff_version` and
 `head_norm_eps`, so a converted model would fail to load or compute another function. `diff-llama serve` runs the
@@ -56,139 +56,37 @@ class ServedModelName(str):
     __hash__ = str.__hash__
 
 
-def split_revision(model_id_and_revision: str) -> tuple[str, str | None]:
-    """`"org/model@dev"` -> `("org/model", "dev")`; an existing local path keeps an `@` it holds (it has no revision).
-    transformers serve has its own from 5.24 on; the older servers this package supports split at the first `@`."""
-    import os
-
-    if os.path.exists(model_id_and_revision):
-        return model_id_and_revision, None
-    model_id, _, revision = model_id_and_revision.partition("@")
-    return model_id, revision or None
-
-
 def require_supported_server() -> None:
-    """The model manager this module extends loads models in the server's own process (its `_load_model`, which takes
-    `gguf_file`): transformers serve from 5.17 to 5.24. Older servers, and the later ones that load each model in a
-    process of their own (a `ModelLoader` in a spawned process, which this module's loading never reaches: there a
-    DiffLlama folder needs trust_remote_code, and then becomes the built-in `diffllama` class, a different model), are
-    refused in one line rather than failing or answering with another model."""
-    import inspect
-
+    """transformers serve from 5.25 on loads each model in a process of its own, through a `ModelLoader` that this
+    package extends (`serving_loader`). Older servers load in the server's process, through a manager this package no
+    longer extends: there a DiffLlama folder would need trust_remote_code, and then become the built-in `diffllama`
+    class, another model. They are refused in one line rather than answering with another model."""
     import transformers
-    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving import model_manager
 
-    load_model = getattr(ModelManager, "_load_model", None)
-    if load_model is None:
+    if not hasattr(model_manager, "ModelLoader"):
         raise MissingPackageError(
-            f"diff-llama serve runs the server of transformers 5.17 to 5.24, and this is {transformers.__version__}, "
-            'whose server loads models in a process of its own: pip install "transformers>=5.17,<5.25" (what pip '
-            'install "diff-llama[serving]" picks), or serve a DIFF V2 model with --engine vllm or --engine sglang'
+            f"diff-llama serve runs the server of transformers 5.25 or newer, and this is {transformers.__version__}: "
+            'pip install -U "transformers>=5.25,<6" (what pip install "diff-llama[serving]" picks), or serve a DIFF '
+            "V2 model with --engine vllm or --engine sglang"
         )
-    if "gguf_file" not in inspect.signature(load_model).parameters:
-        raise MissingPackageError(
-            f"diff-llama serve needs the server of transformers 5.17 or newer (this is {transformers.__version__}): "
-            'pip install -U "transformers>=5.17,<5.25"'
-        )
-
-
-def _model_manager_class(aliases=()):
-    from transformers.cli.serving.model_manager import ModelManager
-
-    class DiffLlamaModelManager(ModelManager):
-        """transformers' ModelManager; DiffLlama configs load through AutoModelForCausalLM, and the preloaded model
-        answers to its `aliases` too."""
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            if self.force_model is not None:
-                self.force_model = ServedModelName(self.force_model, aliases)
-
-        def get_gen_models(self, cache_dir=None):
-            """`/v1/models` of the servers before 5.24 (later ones call `list_models`, which does the same): the
-            preloaded model alone, as requests name it. The older method scans the Hub cache and fails with a 500
-            where nothing was ever downloaded (no cache folder), and never lists a model loaded from a folder."""
-            if self.force_model is None:
-                from huggingface_hub.errors import CacheNotFound
-
-                try:
-                    return ModelManager.get_gen_models(cache_dir)
-                except CacheNotFound:
-                    return []
-            return [{"owned_by": "", "id": str(self.force_model), "object": "model", "created": 0}]
-
-        def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
-            from transformers import AutoConfig, AutoModelForCausalLM
-
-            from .resolve import is_adapter_folder, load_causal_lm
-
-            model_id, revision = split_revision(model_id_and_revision)
-            if gguf_file is None and is_adapter_folder(model_id):
-                # its base, with the adapter merged in: one plain model, as fast as the base
-                return load_causal_lm(model_id, dtype=self.dtype, device_map=self.device,
-                                      attn_implementation=self.attn_implementation)
-            if gguf_file is None:
-                config = AutoConfig.from_pretrained(
-                    model_id, revision=revision, trust_remote_code=self.trust_remote_code
-                )
-                if config.model_type == MODEL_TYPE:
-                    kwargs = {
-                        "revision": revision,
-                        "attn_implementation": self.attn_implementation,
-                        "dtype": self.dtype,
-                        "device_map": self.device,
-                        "trust_remote_code": self.trust_remote_code,
-                        "tqdm_class": tqdm_class,
-                    }
-                    if (quantization_config := self.get_quantization_config()) is not None:
-                        kwargs["quantization_config"] = quantization_config
-                    model_class = AutoModelForCausalLM
-                    remote = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
-                    if self.trust_remote_code and remote:
-                        # The code saved with the model, even where this package is installed (the Auto classes
-                        # would prefer the registered package classes).
-                        from transformers.dynamic_module_utils import get_class_from_dynamic_module
-
-                        model_class = get_class_from_dynamic_module(remote, model_id, revision=revision)
-                    return model_class.from_pretrained(model_id, **kwargs)
-            return super()._load_model(
-                model_id_and_revision, tqdm_class=tqdm_class, progress_callback=progress_callback, gguf_file=gguf_file
-            )
-
-        def _load_processor(self, model_id_and_revision, **kwargs):
-            """A DiffLlama reads text only: its tokenizer, without the image and video processor files that
-            AutoProcessor asks for first (from a Hub id, a request each, and a minute of retries each offline)."""
-            from transformers import AutoConfig, AutoTokenizer
-
-            from .resolve import is_adapter_folder, load_tokenizer
-
-            if kwargs.get("gguf_file") is None:
-                model_id, revision = split_revision(model_id_and_revision)
-                if is_adapter_folder(model_id):
-                    return load_tokenizer(model_id)
-                config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=self.trust_remote_code)
-                if config.model_type == MODEL_TYPE:
-                    return AutoTokenizer.from_pretrained(
-                        model_id, revision=revision, trust_remote_code=self.trust_remote_code
-                    )
-            return super()._load_processor(model_id_and_revision, **kwargs)
-
-    return DiffLlamaModelManager
 
 
 @contextlib.contextmanager
-def diff_llama_model_loading(aliases=()):
-    """Within this context, transformers' server (`transformers.cli.serve.Serve`, which imports its ModelManager when
-    it starts) loads DiffLlama models with this package's classes or the folder's code (see the module docstring),
-    and requests may name its preloaded model by any of `aliases`."""
+def diff_llama_model_loading():
+    """Within this context, transformers' server (`transformers.cli.serve.Serve`, which imports its `ModelLoader` when
+    it starts) loads DiffLlama models with this package's classes or the folder's code, and LoRA adapter folders
+    merged into their base (`serving_loader.DiffLlamaModelLoader`)."""
     from transformers.cli.serving import model_manager
 
-    original = model_manager.ModelManager
-    model_manager.ModelManager = _model_manager_class(aliases)
+    from .serving_loader import DiffLlamaModelLoader
+
+    original = model_manager.ModelLoader
+    model_manager.ModelLoader = DiffLlamaModelLoader
     try:
         yield
     finally:
-        model_manager.ModelManager = original
+        model_manager.ModelLoader = original
 
 
 def server_model_name(model: str) -> str:
@@ -252,8 +150,8 @@ def serve(model: str, options, engine_args=()) -> int:
     from .request_guard import guarded_server
 
     server_options = {k: v for k, v in asdict(options).items() if k not in ("engine", "request_timeout", "tensor_parallel_size")}
-    with diff_llama_model_loading(aliases), guarded_server(options.request_timeout):
-        Serve(force_model=force_model, **server_options)
+    with diff_llama_model_loading(), guarded_server(options.request_timeout):
+        Serve(force_model=ServedModelName(force_model, aliases), **server_options)
     return 0  # Serve runs the server until it is stopped
 
 

@@ -117,7 +117,8 @@ if is_torch_distributed_available():
         size, tells the projections how to split (`diff_llama_heads`), records which key/value heads this rank keeps,
         and runs the attention on this rank's local weights. `o_proj` keeps its own `rowwise` style."""
 
-        def install_forward(self, module, mesh):
+        # `**kwargs`: the config and mesh manager that transformers 5.25 and later pass to every style
+        def install_forward(self, module, mesh, **kwargs):
             layout = tensor_parallel_layout(module.config, mesh.size(), mesh.get_local_rank())
             module.q_proj.tp_split = layout["query"]
             module.k_proj.tp_split = module.v_proj.tp_split = layout["key_value"]
@@ -130,7 +131,7 @@ if is_torch_distributed_available():
             module.tp_local_modules = [
                 sub for name, sub in module.named_modules() if name != "o_proj" and not name.startswith("o_proj.")
             ]
-            return super().install_forward(module, mesh)
+            return super().install_forward(module, mesh, **kwargs)
 
         def transform_inputs_pre_forward(self, module, args, kwargs, mesh):
             if torch.is_grad_enabled():
@@ -160,7 +161,7 @@ if is_torch_distributed_available():
         (packed halves, one block, or not at all). The layer runs inside the attention's forward on local weights;
         replicated ones get their gradients summed over the ranks."""
 
-        def shard_param(self, module, param, mesh):
+        def shard_param(self, module, param, mesh, **kwargs):
             meta = module._parameters.get(param)
             if meta is None:
                 return
@@ -176,10 +177,10 @@ if is_torch_distributed_available():
                 distribute_tensor(meta, mesh, [placement], src_data_rank=None), requires_grad=meta.requires_grad
             )
 
-        def install_forward(self, module, mesh):
+        def install_forward(self, module, mesh, **kwargs):
             if module.tp_split is None:
                 # Replicated weights, each rank using some of their heads: training sums their gradients over ranks.
-                return ReplicatedWithGradAllReduce().install_forward(module, mesh)
+                return ReplicatedWithGradAllReduce().install_forward(module, mesh, **kwargs)
             return module
 
     ALL_PARALLEL_STYLES.register("diff_llama_attention", DiffLlamaAttentionParallel())
