@@ -1,6 +1,7 @@
-"""What the tests of the serving engines (test_vllm.py, test_sglang.py) share: the real SmolLM2's DIFF V2 conversion,
-its prompts as token ids, a command run to success, and a server process on a port of its own, waited for until it
-answers and stopped with the processes it started."""
+"""What the serving tests share: for the engines (test_vllm.py, test_sglang.py), the real SmolLM2's DIFF V2
+conversion, its prompts as token ids and a command run to success; for all, a server process on a port of its own,
+waited for until it answers and stopped with the processes it started, and `diff-llama serve` (test_serving.py,
+test_serve_load.py) as one."""
 
 import os
 import signal
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+SRC = str(Path(__file__).resolve().parent.parent / "src")
+WORKER = Path(__file__).resolve().parent / "serve_worker.py"
 DIFF_LLAMA = str(Path(sys.executable).parent / "diff-llama")
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a city made of glass,"]
 NEW_TOKENS = 32
@@ -79,3 +82,29 @@ class ServerProcess:
             self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
+
+
+class DiffLlamaServer(ServerProcess):
+    """`diff-llama serve MODEL --device cpu OPTIONS` on 127.0.0.1 and a free port, run from `cwd` with the `env` on
+    top of this one's, once it answers; its log in `log_folder`. With `worker`, transformers' server as
+    tests/serve_worker.py sets it up (bare, or with the guard as `options` say) instead of `diff-llama serve`."""
+
+    def __init__(self, log_folder, model, *options, cwd=None, worker=False, **env):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        if worker:
+            command = [sys.executable, str(WORKER), str(model), str(self.port), *options]
+        else:
+            command = [sys.executable, "-m", "diff_llama.cli", "serve", str(model), "--host", "127.0.0.1", "--port",
+                       str(self.port), "--device", "cpu", *options]
+        env = {"PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env}
+        super().__init__(command, Path(log_folder) / f"server-{self.port}.log", self.url + "/health", env=env,
+                         cwd=cwd)
+
+    def log_size(self) -> int:
+        return len(self.log.read_text())
+
+    def errors_since(self, start: int) -> list[str]:
+        """The lines of the server's log past `start` characters that report an error."""
+        return [line for line in self.log.read_text()[start:].splitlines()
+                if "ERROR" in line or "Traceback" in line or "Error:" in line]

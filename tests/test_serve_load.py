@@ -16,13 +16,11 @@ import pytest
 import torch
 
 from conftest import skip_unless_serving, tiny_model, with_chat_template
-from engine_serving import ServerProcess, free_port
+from engine_serving import DiffLlamaServer
 
 skip_unless_serving()
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-WORKER = Path(__file__).resolve().parent / "serve_worker.py"
-SRC = str(Path(__file__).resolve().parent.parent / "src")
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:"
     "{% endif %}"
@@ -54,33 +52,14 @@ def served_folder(tmp_path_factory, tokenizer):
     return _never_ending_model(tmp_path_factory.mktemp("serve-load") / SERVED, tokenizer, CONTEXT)
 
 
-class Server(ServerProcess):
-    """A server on `folder` (named `TYPED` on its command line, from the folder above it), its log in that folder."""
-
-    def __init__(self, folder, *options, worker=False):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        if worker:  # transformers' server, bare or with the guard as `options` set it up (tests/serve_worker.py)
-            command = [sys.executable, str(WORKER), TYPED, str(self.port), *options]
-        else:
-            command = [sys.executable, "-m", "diff_llama.cli", "serve", TYPED, "--host", "127.0.0.1", "--port",
-                       str(self.port), "--device", "cpu", *options]
-        log = folder.parent / f"server-{self.port}.log"
-        env = {"PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        super().__init__(command, log, self.url + "/health", env=env, cwd=folder.parent)
-
-    def errors_since(self, start: int) -> list[str]:
-        """The lines of the server's log past `start` characters that report an error."""
-        return [line for line in self.log.read_text()[start:].splitlines()
-                if "ERROR" in line or "Traceback" in line or "Error:" in line]
-
-    def log_size(self) -> int:
-        return len(self.log.read_text())
+def _server(folder, *options, worker=False):
+    """A server on `folder`, named `TYPED` on its command line, from the folder above it, where its log goes too."""
+    return DiffLlamaServer(folder.parent, TYPED, *options, cwd=folder.parent, worker=worker)
 
 
 @pytest.fixture(scope="module")
 def guarded(served_folder):
-    server = Server(served_folder, "--request-timeout", str(TIMEOUT))
+    server = _server(served_folder, "--request-timeout", str(TIMEOUT))
     yield server
     server.stop()
 
@@ -88,7 +67,7 @@ def guarded(served_folder):
 @pytest.fixture(scope="module")
 def patient(served_folder):
     """The same model behind a guard whose timeout ends no request here: what stops a generation is the test's."""
-    server = Server(served_folder, "--request-timeout", str(PATIENT_TIMEOUT))
+    server = _server(served_folder, "--request-timeout", str(PATIENT_TIMEOUT))
     yield server
     server.stop()
 
@@ -99,7 +78,7 @@ def batching(tmp_path_factory, tokenizer):
     takes far longer than the 10 seconds between the model process's reports of its batch (at log level info, while
     it holds requests); the paged cache holds one whole context (unsized, it would take most of this machine's RAM)."""
     folder = _never_ending_model(tmp_path_factory.mktemp("serve-batching") / SERVED, tokenizer, CONTEXT, layers=24)
-    server = Server(folder, "--request-timeout", str(TIMEOUT), "--continuous-batching", "--cb-num-blocks",
+    server = _server(folder, "--request-timeout", str(TIMEOUT), "--continuous-batching", "--cb-num-blocks",
                     str(CONTEXT // 256), "--log-level", "info")
     # The first request starts the batch (its cache allocated), which on a loaded machine can outlast the timeout.
     deadline = time.monotonic() + 60
@@ -112,14 +91,14 @@ def batching(tmp_path_factory, tokenizer):
 @pytest.fixture(scope="module")
 def small_context(tmp_path_factory, tokenizer):
     folder = _never_ending_model(tmp_path_factory.mktemp("serve-small") / SERVED, tokenizer, SMALL_CONTEXT)
-    server = Server(folder, "--request-timeout", str(PATIENT_TIMEOUT))
+    server = _server(folder, "--request-timeout", str(PATIENT_TIMEOUT))
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
 def unguarded(served_folder):
-    server = Server(served_folder, worker=True)
+    server = _server(served_folder, worker=True)
     yield server
     server.stop()
 
@@ -251,7 +230,7 @@ def test_a_stream_past_the_timeout_stops_while_its_client_reads_slowly(served_fo
     """A client on a slow network: the response is usually waiting to send a chunk when the time is up, where
     cancelling the response alone would not cancel the stream's generation (its generator, which would, stays open)
     and the next request would wait behind it. The guard's flag cancels the stream's streamer itself."""
-    server = Server(served_folder, "--guard-timeout", str(TIMEOUT), "--slow-network", worker=True)
+    server = _server(served_folder, "--guard-timeout", str(TIMEOUT), "--slow-network", worker=True)
     try:
         for _ in range(3):  # without the guard's cancellation, most of them leave a generation running
             events = _long_stream(server.url)[1]

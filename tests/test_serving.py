@@ -2,7 +2,6 @@
 `generate` gives (greedy), for the package's classes and for the folder's remote code."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,27 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 
-import diff_llama
 from conftest import skip_unless_serving, tiny_model, with_chat_template
+from engine_serving import SRC, DiffLlamaServer, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from serve_load import own_rss_mb, process_tree  # noqa: E402
 
 openai = skip_unless_serving()
 
-SRC = str(Path(diff_llama.__file__).parent.parent)
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:"
     "{% endif %}"
 )
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
 MAX_TOKENS = 12
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
@@ -94,41 +86,19 @@ def _ask_naming(port, model=None):
         return f"HTTP {error.code}: {error.read().decode()}"
 
 
-def _wait_for_server(port, process=None, seconds=120):
-    import urllib.request
-
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise AssertionError(f"the server exited with {process.returncode}: {process.stderr.read()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError("the server did not answer /health in time")
-
-
 def test_serve_command_answers_like_generate(model_dir, chat_tokenizer, tmp_path):
     import json
     import urllib.request
 
     expected = _expected_answer(model_dir, chat_tokenizer)
-    port = _free_port()
     # A machine that never downloaded anything has no Hub cache folder: /v1/models must still answer.
-    env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               HF_HUB_CACHE=str(tmp_path / "no-hub-cache"))
-    command = [sys.executable, "-m", "diff_llama.cli", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-               "--device", "cpu"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = DiffLlamaServer(tmp_path, model_dir, HF_HUB_CACHE=str(tmp_path / "no-hub-cache"))
     try:
-        _wait_for_server(port, process)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as response:
+        with urllib.request.urlopen(server.url + "/v1/models", timeout=30) as response:
             listed = [entry["id"] for entry in json.loads(response.read())["data"]]
-        whole, pieces = _ask(port, model_dir)
+        whole, pieces = _ask(server.port, model_dir)
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        server.stop()
     assert listed == [str(model_dir)]
     assert whole == expected
     assert len([p for p in pieces if p]) > 1 and "".join(pieces) == expected  # streamed in several pieces
@@ -144,26 +114,21 @@ def test_serve_with_continuous_batching_answers_each_request_like_generate(model
                                                                       "A LLaMA")]
     expected = [_expected_answer(model_dir, chat_tokenizer, messages) for messages in conversations]
     assert len(set(expected)) == 3
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    command = [sys.executable, "-m", "diff_llama.cli", "serve", str(model_dir), "--host", "127.0.0.1", "--port",
-               str(port), "--device", "cpu", "--continuous-batching", "--cb-num-blocks", "4"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    server = DiffLlamaServer(tmp_path, model_dir, "--continuous-batching", "--cb-num-blocks", "4")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     def answer(messages):
         return client.chat.completions.create(model=str(model_dir), messages=messages, temperature=0,
                                               max_tokens=MAX_TOKENS).choices[0].message.content
 
     try:
-        _wait_for_server(port, process)
         with concurrent.futures.ThreadPoolExecutor(len(conversations)) as pool:
             answers = list(pool.map(answer, conversations))
-        model_processes = process_tree(process.pid)[1:]  # transformers serve's model process, and what it started
+        # transformers serve's model process, and what it started
+        model_processes = process_tree(server.process.pid)[1:]
         resident = sum(own_rss_mb(pid) or 0 for pid in model_processes) * 1024**2
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        server.stop()
     assert answers == expected
     # the cache took what --cb-num-blocks asked for, not the machine's RAM
     assert model_processes and 0 < resident < 2 * 1024**3, resident
@@ -195,20 +160,14 @@ def test_serve_a_lora_adapter_answers_like_its_merged_model(model_dir, chat_toke
     expected = _expected_answer(merged, chat_tokenizer)
     assert expected != _expected_answer(model_dir, chat_tokenizer)  # the adapter changes the answer
 
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    command = [sys.executable, "-m", "diff_llama.cli", "serve", str(adapter), "--host", "127.0.0.1", "--port",
-               str(port), "--device", "cpu"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = DiffLlamaServer(tmp_path, adapter)
     try:
-        _wait_for_server(port, process)
-        whole, pieces = _ask(port, adapter)
+        whole, pieces = _ask(server.port, adapter)
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        server.stop()
     assert whole == expected and "".join(pieces) == expected
     capsys.readouterr()
-    assert main(["serve", str(adapter), "--engine", "vllm", "--port", str(port)]) == 2
+    assert main(["serve", str(adapter), "--engine", "vllm", "--port", str(free_port())]) == 2
     assert "is a LoRA adapter folder (adapter_config.json), not a whole model: merge it" in capsys.readouterr().err
 
 
@@ -220,19 +179,14 @@ def test_serve_as_remote_code_answers_like_generate(model_dir, chat_tokenizer, t
     mark = tmp_path / "remote-code-ran"
     with open(model_dir / "modeling_diff_llama.py", "a") as code:  # the folder's code says where it ran
         code.write('\nimport os as _os\nopen(_os.environ["REMOTE_CODE_MARK"], "w").write(__name__)\n')
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", REMOTE_CODE_MARK=str(mark))
-    command = [sys.executable, "-m", "diff_llama.cli", "serve", f"./{model_dir.name}", "--host", "127.0.0.1",
-               "--port", str(port), "--device", "cpu", "--trust-remote-code"]
-    process = subprocess.Popen(command, env=env, cwd=model_dir.parent, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+    server = DiffLlamaServer(tmp_path, f"./{model_dir.name}", "--trust-remote-code", cwd=model_dir.parent,
+                             REMOTE_CODE_MARK=str(mark))
     try:
-        _wait_for_server(port, process)
-        whole, pieces = _ask(port, model_dir.name)
-        by_alias, unnamed, other = (_ask_naming(port, name) for name in (f"./{model_dir.name}", None, "another-model"))
+        whole, pieces = _ask(server.port, model_dir.name)
+        by_alias, unnamed, other = (_ask_naming(server.port, name)
+                                    for name in (f"./{model_dir.name}", None, "another-model"))
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        server.stop()
     assert mark.read_text().startswith("transformers_modules.")  # the folder's code, as a dynamic module
     assert whole == expected and "".join(pieces) == expected
     assert by_alias == expected and unnamed == expected
@@ -258,7 +212,7 @@ def test_serve_fails_fast_in_one_line_on_a_model_that_is_not_there(tmp_path, mod
     env = dict(os.environ, PYTHONPATH=SRC, HF_HUB_OFFLINE="0")  # online: a Hub lookup would hang, not fail
     started = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "diff_llama.cli", "serve", model.format(tmp=tmp_path),
-                             "--port", str(_free_port())], env=env, capture_output=True, text=True, timeout=120)
+                             "--port", str(free_port())], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     err = result.stderr.strip()
     assert err.startswith("diff-llama serve: error:") and "\n" not in err, err
@@ -297,7 +251,7 @@ def test_serve_a_hub_id_without_the_hub_fails_in_one_line_within_seconds(tmp_pat
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", unreachable_endpoint())
     capsys.readouterr()
     started = time.monotonic()
-    assert main(["serve", "outputs/SmolLM2-135M-Instruct-dif", "--port", str(_free_port())]) == 2
+    assert main(["serve", "outputs/SmolLM2-135M-Instruct-dif", "--port", str(free_port())]) == 2
     assert time.monotonic() - started < 10
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("diff-llama serve: error: outputs/SmolLM2-135M-Instruct-dif: no "

@@ -220,8 +220,8 @@ def default_answer_tokens(body: dict, generation_config) -> int | None:
 
 # ---- stopping a request's generation ---------------------------------------------------------------------------------
 
-# The stop flag (a RequestStop) of the guarded request whose handler is running: transformers' handler submits its
-# generation from the request's own task, whose context the guard set.
+# The stop flag (a RequestStop) of the guarded request whose handler is running: transformers' handler starts its
+# stream from the request's own task, whose context the guard set.
 REQUEST_STOP = contextvars.ContextVar("diff_llama_request_stop", default=None)
 
 
