@@ -128,7 +128,7 @@ async def stream_client(client, model: str, text: str, max_tokens: int, leave_af
     try:
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=0,
-            stream=True)
+            stream=True, stream_options={"include_usage": True})  # the usage chunk comes only when asked for
         async for chunk in stream:
             if chunk.usage is not None:
                 record["completion_tokens"] = chunk.usage.completion_tokens
@@ -326,7 +326,10 @@ def survival(result: dict) -> dict:
              if r["status"] != r["expected_status"] or r["expected_words"] not in (r.get("message") or "")]
     server_errors = [f"{r.get('name', r['kind'])}: {r['status']}" for r in records
                      if r.get("status") is not None and r["status"] >= 500]
-    unanswered = [r for r in records if r["kind"] != "bad" and r["outcome"] not in ("completed", "left mid-stream")]
+    # a stream that completed without its usage cannot be counted in the figures: not answered as asked either
+    unanswered = [r for r in records if r["kind"] != "bad" and (r["outcome"] not in ("completed", "left mid-stream")
+                                                                or r["outcome"] == "completed"
+                                                                and not r.get("completion_tokens"))]
     deadline = result["config"]["request_timeout_s"]
     late = [r for r in records if r["latency_s"] > deadline + 5]
     # memory: freed arenas stay mapped for a while, so "near" is the larger of 10% and 100 MB over the idle figure
@@ -343,7 +346,9 @@ def survival(result: dict) -> dict:
     }
     return {"checks": checks, "failures": [name for name, ok in checks.items() if not ok], "wrong_refusals": wrong,
             "server_errors": server_errors, "memory_tolerance_mb": tolerance,
-            "unanswered": [f"{r['kind']}: {r['outcome']} {r.get('error', '')[:120]}" for r in unanswered]}
+            "unanswered": [f"{r['kind']}: {r['outcome']} "
+                           + ("without its usage" if r["outcome"] == "completed" else r.get("error", "")[:120])
+                           for r in unanswered]}
 
 
 # ---------------------------------------------------------------- rendering

@@ -459,6 +459,13 @@ def test_the_load_figures_count_completed_streams_over_the_wall_time(serve_load)
     assert summary["errors"] == {"client timeout": 1} and summary["bad_requests"] == {"HTTP 400": 1}
 
 
+def test_a_stream_that_completes_without_its_usage_is_not_counted_as_answered(serve_load):
+    result = _load_result()
+    before = serve_load.survival(result)["unanswered"]  # the stream that timed out
+    del result["records"][0]["completion_tokens"]
+    assert serve_load.survival(result)["unanswered"] == ["stream: completed without its usage", *before]
+
+
 def test_survival_names_what_failed(serve_load):
     assert serve_load.survival(_load_result())["failures"] == ["every stream answered",
                                                                 "no request past the request timeout"]
