@@ -348,6 +348,27 @@ def test_a_request_without_max_tokens_gets_at_most_the_room_left_in_the_context(
     assert status == 200 and answer["usage"]["completion_tokens"] == 3
 
 
+def test_max_model_len_caps_every_request_below_the_models_context(served_folder, capsys):
+    """`--max-model-len 64` on a 4,096-token model: the guard measures prompts and answers against 64 tokens, and
+    one longer than the model's context is refused before the server starts."""
+    from diff_llama.cli import main
+
+    capped = 64
+    server = _server(served_folder, "--request-timeout", str(PATIENT_TIMEOUT), "--max-model-len", str(capped))
+    try:
+        status, answer, _ = _post(server.url, _ask(max_tokens=capped))
+        assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+        assert f"maximum context length is {capped} tokens" in answer["error"]["message"]
+        status, answer, _ = _post(server.url, {"messages": MESSAGES})  # no max_tokens: the room left in the 64
+        assert status == 200 and answer["usage"]["total_tokens"] == capped, answer
+    finally:
+        server.stop()
+    assert main(["serve", str(served_folder), "--max-model-len", str(CONTEXT + 1), "--port", "8000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"--max-model-len {CONTEXT + 1} is longer than {served_folder}'s context of {CONTEXT} tokens: "
+                        f"give at most {CONTEXT}, or leave it out for the whole context"), err
+
+
 def test_max_tokens_is_set_only_where_the_server_would_run_past_the_context():
     from transformers import GenerationConfig
 

@@ -170,18 +170,18 @@ def test_a_diff_v2_folder_goes_to_sglangs_transformers_backend_as_remote_code(mo
 
 
 def test_the_engines_own_options_go_after_the_dashes_to_the_end_of_its_command(model_folders):
-    """`-- --max-model-len 64` reaches vLLM as written, after the options diff-llama made (the parser keeps every word
+    """`-- --gpu-memory-utilization 0.5` reaches vLLM as written, after the options diff-llama made (the parser keeps every word
     after --, dashes and all). Here vLLM is missing, so the command stops at its one-line install error, after the
     options were checked."""
     from diff_llama_cli.parser import parse
 
     model, engine_args, options = parse("serve", [str(model_folders[2]), "--engine", "vllm", "--",
-                                                  "--max-model-len", "64", "--enforce-eager"])
-    assert model == str(model_folders[2]) and engine_args == ["--max-model-len", "64", "--enforce-eager"]
+                                                  "--gpu-memory-utilization", "0.5", "--enforce-eager"])
+    assert model == str(model_folders[2]) and engine_args == ["--gpu-memory-utilization", "0.5", "--enforce-eager"]
     assert options.engine == "vllm"
     assert parse("serve", [str(model_folders[2])])[1] == []
     if __import__("importlib").util.find_spec("vllm") is None:
-        err = _one_line_error(_serve(model_folders[2], "--", "--max-model-len", "64"))
+        err = _one_line_error(_serve(model_folders[2], "--", "--gpu-memory-utilization", "0.5"))
         assert "vLLM, which is not installed" in err, err
 
 
@@ -189,7 +189,9 @@ def test_the_engines_own_options_go_after_the_dashes_to_the_end_of_its_command(m
     (["--", "--port", "9000"], ["--port after --", "diff-llama serve's own --port"]),
     (["--", "--tp=2"], ["--tp after --", "--tensor-parallel-size"]),
     (["--", "--model-impl", "vllm"], ["--model-impl after --", "sets it for MODEL"]),
-    (["--max-model-len", "64"], ["unknown option --max-model-len"]),
+    (["--", "--max-model-len", "64"], ["--max-model-len after --", "diff-llama serve's own --max-model-len"]),
+    (["--", "--context-length", "64"], ["--context-length after --", "diff-llama serve's own --max-model-len"]),
+    (["--enforce-eager"], ["unknown option --enforce-eager"]),
     (["extra"], ["unexpected argument 'extra'", "then -- before any ENGINE_ARGS"]),
 ])
 def test_engine_options_in_the_wrong_place_are_refused_in_one_line(model_folders, args, expected):
@@ -210,10 +212,27 @@ def test_the_usage_shows_the_dashes_before_the_engines_options_and_requires_only
 def test_the_transformers_server_refuses_words_after_the_dashes(model_folders):
     env = dict(os.environ, PYTHONPATH=SRC, HF_HUB_OFFLINE="1")
     result = subprocess.run([sys.executable, "-m", "diff_llama.cli", "serve", str(model_folders[2]), "--",
-                             "--max-model-len", "64"], env=env, capture_output=True, text=True, timeout=120)
+                             "--enforce-eager"], env=env, capture_output=True, text=True, timeout=120)
     err = result.stderr.strip()
     assert result.returncode == 2 and "\n" not in err, err
-    assert "--max-model-len: the words after -- are vLLM's or SGLang's options" in err, err
+    assert "--enforce-eager: the words after -- are vLLM's or SGLang's options" in err, err
+
+
+def test_the_longest_request_goes_to_each_engine_under_its_own_name(model_folders):
+    from diff_llama.errors import UserError
+    from diff_llama.serving import sglang_command, vllm_command
+
+    folder = str(model_folders[2])
+    vllm = vllm_command(folder, ServeOptions(engine="vllm", max_model_len=64))
+    assert vllm[vllm.index("--max-model-len") + 1] == "64"
+    sglang = sglang_command(folder, ServeOptions(engine="sglang", max_model_len=64, trust_remote_code=True))
+    assert sglang[sglang.index("--context-length") + 1] == "64" and "--max-model-len" not in sglang
+    assert "--max-model-len" not in vllm_command(folder, ServeOptions(engine="vllm"))
+    with pytest.raises(UserError, match=r"--max-model-len 129 is longer than .*'s context of 128 tokens: give at "
+                                        r"most 128"):
+        vllm_command(folder, ServeOptions(engine="vllm", max_model_len=129))
+    with pytest.raises(UserError, match="--max-model-len must be 2 tokens or more"):
+        ServeOptions(max_model_len=1)
 
 
 def test_a_diff_llama_without_trust_remote_code_is_refused_by_the_sglang_engine(model_folders):

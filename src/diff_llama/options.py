@@ -486,6 +486,9 @@ class ServeOptions:
     cb_max_memory_percent: float | None = field(default=None, metadata={"help": (
         "--continuous-batching: the fraction (0 to 1) of the free memory the paged cache may take (default: "
         "transformers', most of it)")})
+    max_model_len: int | None = field(default=None, metadata={"help": (
+        "the most tokens a request may take, prompt and answer (default: the model's context); longer prompts are "
+        "refused. With --engine vllm it is vLLM's --max-model-len, with sglang its --context-length")})
     log_level: str = field(default="warning", metadata={"help": "server log level: debug, info, warning, error"})
     request_timeout: float = field(default=600, metadata={"help": (
         "seconds a completion request may take, its wait for the model included; past it the server answers 503 "
@@ -499,6 +502,9 @@ class ServeOptions:
             raise UserError(f"--port {self.port}: a TCP port is between 1 and 65535; give one such as 8000")
         if self.request_timeout < 0:
             raise UserError(f"--request-timeout must be 0 (no limit) or more seconds, not {self.request_timeout:g}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise UserError(f"--max-model-len must be 2 tokens or more (a prompt and its answer), not "
+                            f"{self.max_model_len}")
         for name, (fits, expected) in CONTINUOUS_BATCHING_SIZES.items():
             value, flag = getattr(self, name), "--" + name.replace("_", "-")
             if value is not None and not self.continuous_batching:

@@ -127,6 +127,10 @@ def serve(model: str, options, engine_args=()) -> int:
     import diff_llama  # noqa: F401  (registers the Auto classes: the package's code serves without trust_remote_code)
 
     force_model, aliases = served_names(model)  # before the serving extras: the model is the likelier mistake
+    if options.max_model_len is not None:
+        from .resolve import load_config
+
+        check_max_model_len(model, load_config(model, trust_remote_code=options.trust_remote_code), options)
     if options.device not in DEVICE_MAP_STRATEGIES:  # a device this machine lacks failed as the model loaded
         from .resolve import resolve_device
 
@@ -220,7 +224,19 @@ def engine_model(model: str, options):
                 f"(diff-llama serve {model}), or convert the source LLaMA to DIFF V2 (the default of diff-llama "
                 f"convert) for {engine}")
         refuse_engine_tensor_parallel(model, config, options)
+    if options.max_model_len is not None:
+        check_max_model_len(model, config, options)
     return location, config
+
+
+def check_max_model_len(model: str, config, options) -> None:
+    """One line, before any server starts, where `--max-model-len` is longer than the model's context (the server
+    would stop as it loads the model: past its context, a model's answers are wrong)."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    context = getattr(text_config, "max_position_embeddings", None)
+    if context is not None and options.max_model_len > context:
+        raise UserError(f"--max-model-len {options.max_model_len} is longer than {model}'s context of {context} "
+                        f"tokens: give at most {context}, or leave it out for the whole context")
 
 
 def refuse_engine_tensor_parallel(model: str, config, options):
@@ -267,15 +283,17 @@ def vllm_command(model: str, options) -> list[str]:
                "--served-model-name", *dict.fromkeys([str(model), location.name_or_path]),
                "--host", options.host, "--port", str(options.port), "--dtype", engine_dtype(config, options.dtype),
                "--uvicorn-log-level", options.log_level]
-    return command + backend_options(config, options, "--tensor-parallel-size")
+    return command + backend_options(config, options, "--tensor-parallel-size", "--max-model-len")
 
 
-def backend_options(config, options, tp_flag: str) -> list[str]:
+def backend_options(config, options, tp_flag: str, length_flag: str) -> list[str]:
     """The end of both engines' command lines: their Transformers backend for a DiffLlama, the tensor-parallel size
-    (`tp_flag` is the engine's name for it) and remote code."""
+    and the longest request (`tp_flag` and `length_flag` are the engine's names for them) and remote code."""
     words = ["--model-impl", "transformers"] if config.model_type == MODEL_TYPE else []
     if options.tensor_parallel_size != 1:
         words += [tp_flag, str(options.tensor_parallel_size)]
+    if options.max_model_len is not None:
+        words += [length_flag, str(options.max_model_len)]
     if options.trust_remote_code:
         words.append("--trust-remote-code")
     return words
@@ -304,7 +322,7 @@ def sglang_command(model: str, options) -> list[str]:
             raise UserError(f"SGLang builds a DiffLlama from the code saved in its folder (it has no plugin hook, "
                             f"unlike vLLM): add --trust-remote-code to serve {model} with it")
         refuse_code_without_load_weights(model, location)
-    return command + backend_options(config, options, "--tp-size")
+    return command + backend_options(config, options, "--tp-size", "--context-length")
 
 
 SGLANG_DEVICES = ("cuda", "cpu", "xpu", "hpu", "npu", "musa")
@@ -338,6 +356,7 @@ ENGINE_OPTIONS_MADE_HERE = {
     "--log-level": "--log-level", "--device": "--device", "--trust-remote-code": "--trust-remote-code",
     "--tensor-parallel-size": "--tensor-parallel-size", "--tp-size": "--tensor-parallel-size",
     "--tp": "--tensor-parallel-size", "-tp": "--tensor-parallel-size",
+    "--max-model-len": "--max-model-len", "--context-length": "--max-model-len",
     "--model": None, "--model-path": None, "--served-model-name": None, "--model-impl": None,
 }
 

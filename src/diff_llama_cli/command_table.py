@@ -102,7 +102,7 @@ COMMANDS: dict[str, Command] = {
         "serve", (o.ServeOptions,),
         (("model", MODEL_HELP),
          ("engine_args", "with --engine vllm or sglang: the engine's own server options, after -- (diff-llama serve "
-                         "MODEL --engine vllm -- --max-model-len 4096), passed on as they are",
+                         "MODEL --engine vllm -- --gpu-memory-utilization 0.8), passed on as they are",
           {"nargs": "*", "default": [], "metavar": "-- ENGINE_ARG"})),
         "Serve MODEL with transformers' OpenAI-compatible server (transformers serve: /v1/chat/completions, "
         "/v1/completions, /v1/responses, /v1/models), with DiffLlama folders loaded by this package's classes (or "
