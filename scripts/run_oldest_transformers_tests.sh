@@ -14,7 +14,8 @@
 # package, the DIFF V2 conversion of the real SmolLM2 and a Trainer and a LoRA step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-floor() { sed -n "s/^[[:space:]]*$1>=\([0-9][0-9.]*\),.*/\1/p" setup.cfg; }
+# The floor in the package's own install_requires (an extra may ask for a later version, as `serving` does).
+floor() { sed -n "/^install_requires =/,/^[^[:space:]]/ s/^[[:space:]]*$1>=\([0-9][0-9.]*\),.*/\1/p" setup.cfg; }
 transformers_floor="$(floor transformers)"
 torch_floor="$(floor torch)"
 if [ -z "$transformers_floor" ] || [ -z "$torch_floor" ]; then
