@@ -28,7 +28,7 @@ Only torch-free imports at module level: `diff-llama serve --help` must not pay 
 import contextlib
 import contextvars
 import json
-import threading
+import typing
 
 # Endpoint -> the field that holds its input. Others under /v1 with a JSON body get the JSON and model checks only.
 COMPLETION_INPUTS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
@@ -226,28 +226,27 @@ REQUEST_STOP = contextvars.ContextVar("diff_llama_request_stop", default=None)
 
 
 class RequestStop:
-    """A guarded request's stop flag: once set, its stream's streamer is cancelled (see `stop_streams_on_request`)."""
+    """A guarded request's stop flag: once set, its stream's streamer is cancelled (see `stop_streams_on_request`).
+    Used on the server's event loop only (transformers' handlers start their streams there), so it needs no lock."""
 
     def __init__(self):
-        self._flag, self._lock, self._on_set = threading.Event(), threading.Lock(), []
+        self._set, self._on_set = False, []
 
     def is_set(self) -> bool:
-        return self._flag.is_set()
+        return self._set
 
     def set(self) -> None:
-        with self._lock:
-            self._flag.set()
-            on_set, self._on_set = self._on_set, []
+        self._set = True
+        on_set, self._on_set = self._on_set, []
         for call in on_set:
             call()
 
     def call_on_set(self, call) -> None:
         """Calls `call` when the flag is set (now, if it is set already)."""
-        with self._lock:
-            if not self._flag.is_set():
-                self._on_set.append(call)
-                return
-        call()
+        if self._set:
+            call()
+        else:
+            self._on_set.append(call)
 
 
 def stop_streams_on_request(model_manager) -> None:
@@ -286,6 +285,16 @@ class ClientGone(Exception):
     """The client went away before its request body arrived."""
 
 
+class ServedModel(typing.NamedTuple):
+    """The model a server is pinned to: its name, its engine (which holds the model's config, generation config and
+    processor in the server's process; the model runs in a process of its own) and the most tokens a request may
+    take, prompt and answer (the model's context, or the server's `--max-model-len`)."""
+
+    name: str
+    engine: typing.Any
+    context_length: int | None
+
+
 class RequestGuard:
     """ASGI middleware over transformers' server app: checks the JSON requests of `JSON_PATHS` against the server's
     model (`model_manager.force_model`; without one, only the request's own fields are checked) and gives each
@@ -300,7 +309,7 @@ class RequestGuard:
             return
         try:
             served = self.served_model()
-            raw = await read_body(receive, body_limit(self.context_length(served)))
+            raw = await read_body(receive, body_limit(served and served.context_length))
             body = parse_body(raw)
             passed = await self.check(scope["path"], body, served)
         except RequestError as error:
@@ -313,30 +322,22 @@ class RequestGuard:
             scope = with_content_length(scope, len(raw))
         await self.answer_in_time(scope, raw, receive, send)
 
-    def served_model(self):
-        """(name, engine) of the model the server is pinned to, or None when it serves any model. The engine holds the
-        model's config, generation config and processor in this process; the model runs in a process of its own."""
+    def served_model(self) -> ServedModel | None:
+        """The model the server is pinned to, or None when it serves any model."""
         name = self.model_manager.force_model
-        return None if name is None else (name, self.model_manager.get_engine(None))
-
-    def context_length(self, served) -> int | None:
-        """The most tokens a request may take, prompt and answer: the model's context, or the server's
-        `--max-model-len`."""
-        if served is None:
+        if name is None:
             return None
-        return self.model_manager.generation_state.context_length(served[1].model_config)
+        engine = self.model_manager.get_engine(None)
+        return ServedModel(name, engine, self.model_manager.generation_state.context_length(engine.model_config))
 
-    async def check(self, path: str, body: dict, served) -> dict:
+    async def check(self, path: str, body: dict, served: ServedModel | None) -> dict:
         """The body to pass on to the server (`body`, or a copy whose answer fits the context); refuses a bad one."""
         if served is not None:
-            check_model(body, served[0])
+            check_model(body, served.name)
         check_fields(path, body)
-        if served is None:
+        if served is None or path not in COMPLETION_INPUTS or not served.context_length:
             return body
-        engine = served[1]
-        context = self.context_length(served)
-        if path not in COMPLETION_INPUTS or not context:
-            return body
+        engine, context = served.engine, served.context_length
         import anyio.to_thread
 
         # off the event loop: a long prompt takes a while to tokenize, and the streams being answered go on

@@ -35,7 +35,7 @@ class DiffLlamaModelLoader(ModelLoader):
         repo, revision, gguf_file = parse_model_id(model_id)
         if gguf_file is None and is_adapter_folder(repo):
             return load_tokenizer(repo)
-        if gguf_file is None and self._is_diff_llama(repo, revision):
+        if gguf_file is None and is_diff_llama(self._config(repo, revision)):
             return AutoTokenizer.from_pretrained(repo, revision=revision, trust_remote_code=self.trust_remote_code)
         return super().load_processor(model_id)
 
@@ -44,14 +44,15 @@ class DiffLlamaModelLoader(ModelLoader):
         if gguf_file is None and is_adapter_folder(repo):
             return load_causal_lm(repo, dtype=self.dtype, device_map=self.device,
                                   attn_implementation=self.attn_implementation)
-        if gguf_file is not None or not self._is_diff_llama(repo, revision):
+        config = None if gguf_file is not None else self._config(repo, revision)
+        if config is None or not is_diff_llama(config):
             return super()._load_model(model_id, tqdm_class=tqdm_class, progress_callback=progress_callback)
         kwargs = {"revision": revision, "attn_implementation": self.attn_implementation, "dtype": self.dtype,
                   "device_map": self.device, "trust_remote_code": self.trust_remote_code, "tqdm_class": tqdm_class}
         if (quantization_config := self.get_quantization_config()) is not None:
             kwargs["quantization_config"] = quantization_config
         model_class = AutoModelForCausalLM
-        remote = (getattr(self._config(repo, revision), "auto_map", None) or {}).get("AutoModelForCausalLM")
+        remote = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
         if self.trust_remote_code and remote:
             # The code saved with the model, even where this package is installed (the Auto classes would prefer the
             # registered package classes).
@@ -63,6 +64,7 @@ class DiffLlamaModelLoader(ModelLoader):
     def _config(self, repo: str, revision: str | None):
         return AutoConfig.from_pretrained(repo, revision=revision, trust_remote_code=self.trust_remote_code)
 
-    def _is_diff_llama(self, repo: str, revision: str | None) -> bool:
-        return self._config(repo, revision).model_type == DiffLlamaConfig.model_type
+
+def is_diff_llama(config) -> bool:
+    return config.model_type == DiffLlamaConfig.model_type
 
