@@ -136,8 +136,8 @@ def test_every_commands_help_is_fast_and_says_each_default_once():
     (["train", "m", "--lerning-rate", "1e-4"], "unknown option --lerning-rate; did you mean --learning-rate?"),
     (["evaluate", "m", "--foo"], "unknown option --foo (diff-llama evaluate --help lists the options)"),
     (["serve", "m", "--prot", "80"], "did you mean --port?"),
-    (["trian"], "unknown command 'trian'; did you mean 'train'? commands: convert, recover, train, generate, "
-                "attention-map, adapt, evaluate, ruler, serve, push, export-builtin, demo"),
+    (["trian"], "unknown command 'trian'; did you mean 'train'? commands: convert, recover, train, merge, "
+                "generate, attention-map, adapt, evaluate, ruler, serve, push, export-builtin, demo"),
 ])
 def test_command_line_mistakes_are_one_line_with_the_nearest_fix(capsys, argv, expected):
     assert expected in _fails_in_one_line(capsys, argv)

@@ -385,14 +385,51 @@ def test_a_lora_run_loads_wherever_a_model_does(tmp_path, saved_model, capsys, m
                  "50", "--cases-per-depth", "1", "--perplexity-tokens", "0"]) == 0
     capsys.readouterr()
     refusal = (f"{adapter} is a LoRA adapter folder (adapter_config.json), not a whole model: merge it into its base "
-               f"model `{recorded}` first (diff-llama train ... --lora --merge, or peft's merge_and_unload() then "
-               "save_pretrained), ")
+               f"model `{recorded}` first (diff-llama merge {adapter} MERGED_FOLDER), ")
     for argv, then in [(["serve", str(adapter), "--engine", "vllm"], "or load it with peft (AutoPeftModelForCausalLM)"),
                        (["push", str(adapter), "me/x", "--dry-run"], "or push the adapter with peft's own push_to_hub"),
                        (["convert", str(adapter), "converted"], "and convert that folder"),
                        (["export-builtin", str(adapter), "builtin"], "and export that folder")]:
         assert main(argv) == 2 and refusal + then + "." in capsys.readouterr().err, argv
     assert sorted(p.name for p in elsewhere.iterdir()) == ["eval"]
+
+    # The refusals' way out: `diff-llama merge` writes the plain model folder that they ask for.
+    assert main(["merge", str(adapter), "merged"]) == 0
+    assert f"Wrote merged: {adapter} merged into its base model" in capsys.readouterr().out
+    trained_merged = tmp_path / "runs" / "merged"
+    written = {p.name for p in (elsewhere / "merged").iterdir()}
+    beside_training = {p.name for p in trained_merged.iterdir() if p.is_file()} - {"training_log.json",
+                                                                                   "training_loss.png"}
+    assert written == beside_training, written
+    with torch.no_grad():
+        merged_later = AutoModelForCausalLM.from_pretrained(elsewhere / "merged")(ids).logits
+    torch.testing.assert_close(merged_later, loaded, rtol=0, atol=0)  # what the adapter folder loads as, saved
+    report = json.loads((elsewhere / "merged" / "training_report.json").read_text())
+    trained_report = json.loads((trained_merged / "training_report.json").read_text())
+    assert report.keys() == trained_report.keys() and report["merged"] and trained_report["merged"]
+    method = "of LoRA (rank 16, merged into the weights), learning rate 0.01,"
+    assert method in report["summary"] and method in trained_report["summary"], report["summary"]
+    assert "diff-llama" in (elsewhere / "merged" / "README.md").read_text()  # a whole DiffLlama's model card
+    assert main(["push", "merged", "me/x", "--dry-run"]) == 0
+    capsys.readouterr()
+    # Bad input: one line each, nothing written, the adapter as it was.
+    before = {p.name: p.read_bytes() for p in adapter.iterdir() if p.is_file()}
+    (elsewhere / "full").mkdir()
+    (elsewhere / "full" / "mine.txt").write_text("a user's file")
+    for argv, problem in [
+        (["merge", str(trained_merged), "x"], f"{trained_merged} is a whole model already (it has no "
+                                              "adapter_config.json), so there is nothing to merge: use it as it is."),
+        (["merge", str(adapter), "full"], "full is not empty; choose a new folder."),
+        (["merge", str(adapter), str(adapter / "inside")], "is inside"),
+        (["merge", str(adapter), str(adapter)], f"{adapter} is not empty; choose a new folder."),
+        (["merge", str(tmp_path / "nowhere"), "x"], "nowhere"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and problem in err, err
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["eval", "full", "merged"]
+    assert (elsewhere / "full" / "mine.txt").read_text() == "a user's file"
+    assert {p.name: p.read_bytes() for p in adapter.iterdir() if p.is_file()} == before
     # Loaded as a plain model, the merged one trains as a plain model: every weight (peft froze the base's).
     assert all(param.requires_grad for param in load_causal_lm(adapter).parameters())
     assert main(["train", str(adapter), "--data", str(tmp_path / "text.txt"), "--output", "further", "--max-steps", "1",

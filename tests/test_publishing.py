@@ -141,7 +141,8 @@ def test_push_names_the_cause_and_the_fix_for_an_adapter(tmp_path, capsys):
     get_peft_model(tiny_model(), lora_config()).save_pretrained(tmp_path / "adapter")
     assert main(["push", str(tmp_path / "adapter"), "alice/x", "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "is a LoRA adapter" in err and "--merge" in err
+    assert err.count("\n") == 0 and "is a LoRA adapter" in err
+    assert f"diff-llama merge {tmp_path / 'adapter'} MERGED_FOLDER" in err  # the fix, as a command
 
 
 @pytest.mark.parametrize("minutes,lambdas,says", [

@@ -119,3 +119,17 @@ def test_train_fine_tunes_smollm2_from_its_gguf(tmp_path):
     assert main(["train", "smollm2", "--data", str(text), "--output", str(out), "--lora", "--max-steps", "1",
                  "--batch-size", "1", "--block-size", "64", "--no-monitor"]) == 0
     assert (out / "adapter_model.safetensors").is_file() and (out / "training_log.json").is_file()
+
+    # `diff-llama merge` of an adapter on the GGUF: the same quantizer would refuse to save the merged model (found by
+    # the user trial: a traceback). The merged folder computes what the adapter folder loads as.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from diff_llama.resolve import load_causal_lm
+
+    assert main(["merge", str(out), str(tmp_path / "merged")]) == 0
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314]])
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")(ids).logits
+        loaded = load_causal_lm(out)(ids).logits
+    torch.testing.assert_close(merged, loaded, rtol=0, atol=0)

@@ -162,6 +162,14 @@ def push(model, repo_id, options: o.PushOptions) -> int:
     return 0
 
 
+def merge(adapter, output) -> int:
+    from .training import merge_adapter_folder
+
+    merge_adapter_folder(adapter, output)
+    print(f"Wrote {output}: {adapter} merged into its base model, one plain model folder.")
+    return 0
+
+
 def export_builtin(source, output) -> int:
     from .builtin_interop import export_folder_to_builtin
 

@@ -9,6 +9,7 @@ when the Hub cannot be asked, it loads from the cache, offline, or fails in one 
 import contextlib
 import os
 import shutil
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -248,8 +249,7 @@ def adapter_refusal(folder: str | os.PathLike, alternative: str) -> str:
     except AdapterFolderError:
         on_base = ""
     return (f"{folder} is a LoRA adapter folder (adapter_config.json), not a whole model: merge it into its base "
-            f"model{on_base} first (diff-llama train ... --lora --merge, or peft's merge_and_unload() then "
-            f"save_pretrained), {alternative}.")
+            f"model{on_base} first (diff-llama merge {shlex.quote(str(folder))} MERGED_FOLDER), {alternative}.")
 
 
 def adapter_base(location: ModelLocation) -> str:

@@ -32,7 +32,7 @@ from transformers import TrainerCallback
 
 from .corpus import read_text_file
 from .errors import InputNotFoundError, Interrupted, OutputExistsError, UserError
-from .model_card import RUN_RECORD, duration_text, lineage, steps_text, write_training_report
+from .model_card import RUN_RECORD, TRAINING_REPORT, duration_text, lineage, steps_text, write_training_report
 from .options import FineTuneOptions, TrainingRunOptions
 
 from .conversion.base import ATTENTION_PROJECTIONS
@@ -395,6 +395,49 @@ def save_trained(model, tokenizer, output_dir: str | Path, merge: bool):
     return model
 
 
+def merge_adapter_folder(adapter: str | os.PathLike, output: str | os.PathLike) -> None:
+    """`diff-llama merge`: the LoRA adapter folder `adapter` (what `train --lora` writes) merged into its base model,
+    λ included, and saved in `output` as one plain model folder with what `train --lora --merge` writes beside the
+    weights: the tokenizer, the licence texts, the run's training report and the model card. The weights keep the
+    base's dtype (train's own merge is of a float32 model). For what takes a whole model folder (vLLM, SGLang, push,
+    export-builtin)."""
+    from .output_folder import AtomicOutputFolder, give_weights_the_usual_permissions
+    from .resolve import (adapter_base, copy_license_files, find_model, load_causal_lm, load_tokenizer,
+                          release_gguf_quantizer, save_tokenizer)
+
+    location = find_model(adapter, adapters=True)
+    if not location.is_adapter:
+        raise UserError(f"{adapter} is a whole model already (it has no adapter_config.json), so there is nothing to "
+                        "merge: use it as it is.")
+    # New or empty; never the adapter, its base or a folder inside either. Checked before the models load.
+    target = AtomicOutputFolder(output, offers_overwrite=False, inputs=[adapter, adapter_base(location)])
+    model = load_causal_lm(adapter, dtype="auto")
+    release_gguf_quantizer(model)  # a GGUF base's weights, dequantized as it loaded, save like any others
+    tokenizer = load_tokenizer(adapter)
+    report_path = Path(location.name_or_path) / TRAINING_REPORT
+    report = json.loads(report_path.read_text()) if report_path.is_file() else None
+    with target as folder:
+        model.save_pretrained(folder)
+        save_tokenizer(tokenizer, folder)
+        copy_license_files(adapter, folder)
+        if report is not None:
+            write_training_report(folder, merged_training_report(report))
+        elif model.config.model_type == "diff_llama":
+            from .model_card import write_model_card
+
+            write_model_card(folder)
+    give_weights_the_usual_permissions(output)
+
+
+def merged_training_report(report: dict) -> dict:
+    """A `train --lora` run's training report, for its adapter once merged: what `train --lora --merge` writes."""
+    if not report.get("lora") or report.get("merged"):
+        return report
+    rank = report["lora_rank"]
+    return {**report, "merged": True,
+            "summary": report["summary"].replace(lora_method(rank, merged=False), lora_method(rank, merged=True), 1)}
+
+
 class TokenizerInCheckpoints(TrainerCallback):
     """Save the tokenizer into each checkpoint-N too, so that a checkpoint loads, generates, evaluates and serves on
     its own, as the final folder does."""
@@ -427,8 +470,7 @@ def training_report(upstream: dict, options: FineTuneOptions, state, learning_ra
     run from a checkpoint (the Trainer times only what it ran itself)."""
     losses = [entry["loss"] for entry in state.log_history if "loss" in entry]
     runtime = next((entry["train_runtime"] for entry in reversed(state.log_history) if "train_runtime" in entry), 0)
-    method = (f"LoRA (rank {options.lora_rank}{', merged into the weights' if options.merge else ''})" if options.lora
-              else "full fine-tuning")
+    method = lora_method(options.lora_rank, options.merge) if options.lora else "full fine-tuning"
     blocks = options.batch_size * options.gradient_accumulation * processes
     clock = duration_text(runtime / 60) + (" since the last --resume" if resumed else "")
     summary = (f"{steps_text(state.global_step)} ({state.epoch:.2f} epochs, {clock}) of {method}, "
@@ -444,6 +486,10 @@ def training_report(upstream: dict, options: FineTuneOptions, state, learning_ra
             "learning_rate": learning_rate, "batch_size": options.batch_size,
             "gradient_accumulation": options.gradient_accumulation, "processes": processes,
             "block_size": options.block_size, "losses": losses}
+
+
+def lora_method(rank: int, merged: bool) -> str:
+    return f"LoRA (rank {rank}{', merged into the weights' if merged else ''})"
 
 
 def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> Path:

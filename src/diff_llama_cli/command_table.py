@@ -52,6 +52,17 @@ COMMANDS: dict[str, Command] = {
         "the λ vectors train in full and are saved in the adapter. OUTPUT gets the final model (or adapter), the "
         "tokenizer, training_log.json and PNG plots of the loss and of λ per layer.",
     ),
+    "merge": Command(
+        "merge a LoRA adapter folder (diff-llama train --lora) into its base model: one plain model folder",
+        "merge", (),
+        (("adapter", "folder written by diff-llama train --lora (adapter_config.json names its base model)"),
+         ("output", "folder to write: new or empty")),
+        "Load ADAPTER's base model, merge the adapter into it (λ included) and save the result in OUTPUT as one plain "
+        "model folder: the weights in the base's dtype, with the tokenizer, the licence texts, the training report "
+        "and the model card, as train --lora --merge writes them. For what takes a whole model: serve --engine vllm or "
+        "sglang, push, export-builtin. (generate, evaluate, train and the transformers server take the adapter folder "
+        "itself.) The adapter and its base are never modified; OUTPUT appears only when complete.",
+    ),
     "generate": Command(
         "generate text with a model, streamed to the terminal",
         "generate", (o.GenerateOptions,),
