@@ -386,7 +386,9 @@ def test_a_lora_run_loads_wherever_a_model_does(tmp_path, saved_model, capsys, m
     capsys.readouterr()
     refusal = (f"{adapter} is a LoRA adapter folder (adapter_config.json), not a whole model: merge it into its base "
                f"model `{recorded}` first (diff-llama merge {adapter} MERGED_FOLDER), ")
-    for argv, then in [(["serve", str(adapter), "--engine", "vllm"], "or load it with peft (AutoPeftModelForCausalLM)"),
+    serve_it = f"or serve the adapter folder with the transformers server, which merges it as it loads (diff-llama serve {adapter})"
+    for argv, then in [(["serve", str(adapter), "--engine", "vllm"], serve_it),
+                       (["serve", str(adapter), "--engine", "sglang"], serve_it),
                        (["push", str(adapter), "me/x", "--dry-run"], "or push the adapter with peft's own push_to_hub"),
                        (["convert", str(adapter), "converted"], "and convert that folder"),
                        (["export-builtin", str(adapter), "builtin"], "and export that folder")]:

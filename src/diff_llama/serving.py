@@ -27,6 +27,7 @@ curl localhost:8000/v1/chat/completions -H "Content-Type: application/json" \\
 """
 
 import contextlib
+import shlex
 
 from .errors import MissingPackageError, UserError
 from .options import CONTINUOUS_BATCHING_SIZES, SGLANG_INSTALL_COMMANDS, VLLM_INSTALL_COMMANDS
@@ -200,7 +201,7 @@ def engine_model(model: str, options):
     `resolve.find_model` location and its config. Raises one line for what the engines' Transformers backends cannot
     serve: a GGUF file, a version 1 DiffLlama, a transformers-server option, a tensor-parallel size that splits
     heads."""
-    from .resolve import find_model, load_config
+    from .resolve import adapter_refusal, find_model, is_adapter_folder, load_config
 
     engine = ENGINE_NAMES[options.engine]
     if options.tensor_parallel_size < 1:
@@ -211,6 +212,9 @@ def engine_model(model: str, options):
             raise UserError(f"{flag} is an option of the transformers server; with --engine {options.engine}, drop it, "
                             f"or give {engine}'s own options after -- (diff-llama serve MODEL --engine {options.engine} "
                             "-- --an-option value)")
+    if is_adapter_folder(model):
+        raise UserError(adapter_refusal(model, "or serve the adapter folder with the transformers server, which merges "
+                                               f"it as it loads (diff-llama serve {shlex.quote(str(model))})"))
     location = find_model(model, tokenizer=True)
     if location.gguf_file:
         raise UserError(f"{engine} serves a model folder, not a GGUF file ({location.description}): convert it first, "
