@@ -424,7 +424,7 @@ def test_a_lora_run_loads_wherever_a_model_does(tmp_path, saved_model, capsys, m
         (["merge", str(adapter), "full"], "full is not empty; choose a new folder."),
         (["merge", str(adapter), str(adapter / "inside")], "is inside"),
         (["merge", str(adapter), str(adapter)], f"{adapter} is not empty; choose a new folder."),
-        (["merge", str(tmp_path / "nowhere"), "x"], "nowhere"),
+        (["merge", str(tmp_path / "nowhere"), "x"], "nowhere: no such folder"),
     ]:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip()

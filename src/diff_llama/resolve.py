@@ -8,8 +8,8 @@ when the Hub cannot be asked, it loads from the cache, offline, or fails in one 
 
 import contextlib
 import os
-import shutil
 import shlex
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
