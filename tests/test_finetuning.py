@@ -411,7 +411,8 @@ def test_a_lora_run_loads_wherever_a_model_does(tmp_path, saved_model, capsys, m
     assert report.keys() == trained_report.keys() and report["merged"] and trained_report["merged"]
     method = "of LoRA (rank 16, merged into the weights), learning rate 0.01,"
     assert method in report["summary"] and method in trained_report["summary"], report["summary"]
-    assert "diff-llama" in (elsewhere / "merged" / "README.md").read_text()  # a whole DiffLlama's model card
+    card = (elsewhere / "merged" / "README.md").read_text()  # a whole DiffLlama's, naming the folder, not its draft
+    assert 'from_pretrained("./merged", trust_remote_code=True)' in card and "partial" not in card, card
     assert main(["push", "merged", "me/x", "--dry-run"]) == 0
     capsys.readouterr()
     # Bad input: one line each, nothing written, the adapter as it was.

@@ -298,13 +298,14 @@ def _recovery_texts(recovery: dict) -> dict:
     return {"recovery_budget": budget, "lambda_floor_note": note}
 
 
-def write_training_report(folder: Path, report: dict) -> None:
+def write_training_report(folder: Path, report: dict, location: str | None = None) -> None:
     """Write a trained model's `TRAINING_REPORT` and, for a whole DiffLlama (what `push` publishes: not an adapter,
-    whose card peft writes, nor a plain LLaMA), its model card from it."""
+    whose card peft writes, nor a plain LLaMA), its model card from it; `location`: where the folder will end up,
+    when it is written elsewhere first (see `build_model_card`)."""
     (folder / TRAINING_REPORT).write_text(json.dumps(report, indent=1) + "\n")
     config = folder / "config.json"
     if config.is_file() and json.loads(config.read_text()).get("model_type") == "diff_llama":
-        write_model_card(folder)
+        write_model_card(folder, location=location)
 
 
 def write_model_card(folder: str | Path, repo_id: str | None = None, location: str | None = None) -> ModelCard:

@@ -421,11 +421,11 @@ def merge_adapter_folder(adapter: str | os.PathLike, output: str | os.PathLike) 
         save_tokenizer(tokenizer, folder)
         copy_license_files(adapter, folder)
         if report is not None:
-            write_training_report(folder, merged_training_report(report))
+            write_training_report(folder, merged_training_report(report), location=str(output))
         elif model.config.model_type == "diff_llama":
             from .model_card import write_model_card
 
-            write_model_card(folder)
+            write_model_card(folder, location=str(output))
     give_weights_the_usual_permissions(output)
 
 
