@@ -46,20 +46,32 @@ def test_lambda_vectors_keep_the_spec_names_on_disk(tmp_path):
 
 
 
+def _plain_load_state_dict(model, folder):
+    result = model.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
+    assert not result.unexpected_keys
+    assert all("lambda" not in key for key in result.missing_keys)
+
+
+def _accelerates_loader(model, folder):
+    from accelerate.utils import load_checkpoint_in_model
+
+    load_checkpoint_in_model(model, folder)
+
+
+@pytest.mark.parametrize("load", [_plain_load_state_dict, _accelerates_loader], ids=["load_state_dict", "accelerate"])
 @pytest.mark.parametrize("version", [1, 2])
-def test_a_saved_checkpoint_loads_lambda_through_plain_load_state_dict(tmp_path, version):
-    # The Trainer resumes (and accelerate loads) with a non-strict `load_state_dict` of the saved file, whose λ keys
-    # are the checkpoint names, not the in-memory ones.
+def test_a_saved_checkpoint_loads_lambda_outside_from_pretrained(tmp_path, version, load):
+    # The Trainer resumes with a non-strict `load_state_dict` of the saved file, whose λ keys are the checkpoint
+    # names, not the in-memory ones. accelerate's `load_checkpoint_in_model` without a device map goes through torch's
+    # `set_model_state_dict`, which hands `load_state_dict` the file's λ under its checkpoint names and the model's
+    # current λ under the in-memory names: the file's must win.
     trained = differential_model(version, dtype=torch.float32)
     trained.save_pretrained(tmp_path)
     fresh = tiny_model(torch.float32, seed=5, diff_version=version, num_attention_heads=6, num_key_value_heads=3,
                        num_hidden_layers=3)
-    result = fresh.load_state_dict(load_file(tmp_path / "model.safetensors"), strict=False)
-    assert not result.unexpected_keys
-    assert all("lambda" not in key for key in result.missing_keys)
-    for name, param in trained.named_parameters():
-        if "lambda" in name:
-            assert torch.equal(fresh.get_parameter(name), param), name
+    load(fresh, tmp_path)
+    for name, param in trained.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], param), name
 
 
 @pytest.mark.parametrize("version", [1, 2])

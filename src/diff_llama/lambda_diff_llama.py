@@ -54,13 +54,15 @@ def lambda_memory_name(name: str) -> str:
 def load_lambda_under_checkpoint_names(module, state_dict, prefix, *args) -> None:
     """A `load_state_dict` pre-hook of the attention modules: λ tensors under their checkpoint names (what
     `save_pretrained` writes) load into `differential_lambda`. `from_pretrained` renames them itself, but the Trainer
-    resumes a checkpoint, and accelerate or a user may load one, with a plain non-strict `load_state_dict`, which
-    would otherwise leave λ silently at its old values."""
+    resumes a checkpoint, and a user may load one, with a plain non-strict `load_state_dict`, which would otherwise
+    leave λ silently at its old values. A tensor under its checkpoint name replaces one under its in-memory name:
+    torch's `set_model_state_dict` (accelerate's `load_checkpoint_in_model` without a device map) adds every
+    parameter the file lacks under its in-memory name, with the model's current value."""
     for key in [key for key in state_dict if key.startswith(prefix)]:
         name = key[len(prefix):]
         memory_name = lambda_memory_name(name)
         if memory_name != name:
-            state_dict.setdefault(prefix + memory_name, state_dict.pop(key))
+            state_dict[prefix + memory_name] = state_dict.pop(key)
 
 
 class DiffLlamaLambda(nn.Module):
