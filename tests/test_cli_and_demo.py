@@ -288,6 +288,9 @@ def test_options_are_judged_while_parsing_in_one_line(capsys):
      "--compile-backend inductr is not a torch.compile backend; give one of cudagraphs, inductor"),
     (["train", "m", "--data", "t.txt", "--output", "{out}", "--compile-backend", "aot_eager"],
      "--compile-backend aot_eager needs --compile."),
+    (["train", "m", "--data", "t.txt", "--output", "{out}", "--merge"],
+     "--merge merges LoRA adapters into the weights, so it needs --lora (a full fine-tuning run saves whole weights"),
+    (["recover", "m", "--output", "{out}", "--lora-mlp"], "--lora-mlp puts LoRA adapters on the MLP too, so it needs --lora."),
     (["recover", "m", "--output", "{out}", "--batch-size", "-2"], "--batch-size must be 1 or more, not -2."),
     (["recover", "m", "--output", "{out}", "--eval-minutes", "0"], "--eval-minutes must be above 0"),
     (["evaluate", "m", "--output", "{out}", "--cases-per-depth", "0"], "--cases-per-depth must be 1 or more"),
@@ -440,12 +443,18 @@ def test_a_folder_with_files_is_refused_in_one_line_and_left_as_it_was(tmp_path,
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
 
 
-def test_attention_map_refuses_to_replace_its_maps_without_overwrite(tmp_path, tokenizer, capsys):
+def _maps_of_a_saved_model(tmp_path, tokenizer):
+    """A small saved DiffLlama (2 differential heads), and the attention-map command drawing its layer 0 into maps/."""
     model = tiny_model(vocab_size=len(tokenizer), num_attention_heads=4, num_key_value_heads=2)
     model.save_pretrained(tmp_path / "m")
     tokenizer.save_pretrained(tmp_path / "m")
     out = tmp_path / "maps"
-    argv = ["attention-map", str(tmp_path / "m"), "--text", "The quick brown fox", "--layer", "0", "--output", str(out)]
+    return out, ["attention-map", str(tmp_path / "m"), "--text", "The quick brown fox", "--layer", "0", "--output",
+                 str(out)]
+
+
+def test_attention_map_refuses_to_replace_its_maps_without_overwrite(tmp_path, tokenizer, capsys):
+    out, argv = _maps_of_a_saved_model(tmp_path, tokenizer)
     assert main(argv) == 0
     first = (out / "layer0-head1.png").read_bytes()
     assert "--overwrite" in _fails_in_one_line(capsys, argv)
@@ -455,6 +464,31 @@ def test_attention_map_refuses_to_replace_its_maps_without_overwrite(tmp_path, t
     (out / "layer0-head1.png").write_bytes(b"stale")
     assert main([*argv, "--overwrite"]) == 0
     assert (out / "layer0-head1.png").read_bytes()[:4] == b"\x89PNG" and len(list(out.iterdir())) == 5
+
+
+def test_an_interrupted_attention_map_adds_and_replaces_no_map(tmp_path, tokenizer, capsys, monkeypatch):
+    """The maps are drawn in a hidden folder beside --output and move in together: Ctrl-C while drawing the second
+    head's leaves the earlier maps as they were (none replaced, none added) and no hidden folder."""
+    import diff_llama.attention_maps
+
+    out, argv = _maps_of_a_saved_model(tmp_path, tokenizer)
+    assert main(argv) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    plot_head, drawn = diff_llama.attention_maps.plot_head, []
+
+    def interrupted_at_the_second_head(*args):
+        if drawn:
+            raise KeyboardInterrupt
+        drawn.append(plot_head(*args))
+
+    monkeypatch.setattr(diff_llama.attention_maps, "plot_head", interrupted_at_the_second_head)
+    for again in ([*argv, "--text", "Another text", "--overwrite"], [*argv[:-3], "1", "--output", str(out)]):
+        drawn.clear()
+        capsys.readouterr()
+        assert main(again) == 130
+        assert capsys.readouterr().err.strip().endswith(f"{out} is left as it was; run the command again to start over")
+        assert drawn and {p.name: p.read_bytes() for p in out.iterdir()} == before
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "maps"]
 
 
 def test_evaluate_overwrite_replaces_the_old_report_whole(tmp_path, tokenizer, capsys):

@@ -153,7 +153,7 @@ def test_fine_tunes_like_its_source_and_recover_refuses(tmp_path, tokenizer):
         results = {}
         for name in ("llama", "v2"):
             output = train(str(tmp_path / name), FineTuneOptions(
-                data=str(data), output=str(tmp_path / f"{name}-{lora}"), lora=lora, merge=True, max_steps=6,
+                data=str(data), output=str(tmp_path / f"{name}-{lora}"), lora=lora, merge=lora, max_steps=6,
                 batch_size=4, block_size=32, learning_rate=1e-3, logging_steps=2, monitor=False))
             results[name] = perplexity(AutoModelForCausalLM.from_pretrained(output), held_out, window=64)
         before = perplexity(AutoModelForCausalLM.from_pretrained(source), held_out, window=64)

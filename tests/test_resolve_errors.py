@@ -316,6 +316,28 @@ def test_recover_names_a_missing_model_before_its_source(tmp_path, capsys):
     assert "MISSING: no such folder" in err and "--source" not in err, err
 
 
+def test_a_conversion_records_its_local_source_wherever_recover_runs(tmp_path, monkeypatch, tokenizer):
+    """A source given by a relative path is recorded by its absolute one: `recover` run from another folder, beside
+    another model of the same name, reads the right source."""
+    from conftest import make_llama
+
+    from diff_llama.cli import main
+
+    make_llama(tmp_path / "llama", tokenizer, num_hidden_layers=1)
+    monkeypatch.chdir(tmp_path)
+    assert main(["convert", "llama", "v1", "--diff-version", "1", "--calibration-tokens", "256", "--seq-len", "128",
+                 "--no-evaluate"]) == 0
+    report = json.loads((tmp_path / "v1" / "conversion_report.json").read_text())
+    assert report["source"] == str(tmp_path / "llama")
+    (tmp_path / "elsewhere").mkdir()
+    make_llama(tmp_path / "elsewhere" / "llama", tokenizer, num_hidden_layers=2)  # not the source
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["recover", "../v1", "--output", "../recovered", "--max-steps", "1", "--block-size", "16",
+                 "--batch-size", "1", "--eval-tokens", "64"]) == 0
+    recovered = json.loads((tmp_path / "recovered" / "recovery_report.json").read_text())
+    assert recovered["source"] == str(tmp_path / "llama"), recovered
+
+
 def test_recover_names_a_recorded_source_that_moved(tmp_path, capsys, tokenizer):
     from conftest import make_llama
 

@@ -133,6 +133,8 @@ class TrainingRunOptions:
         require_at_least(2, block_size=self.block_size)  # a block predicts each token from the ones before it
         require_above_zero(learning_rate=self.learning_rate)
         require_at_least(0, lambda_learning_rate=self.lambda_learning_rate)
+        if self.lora_mlp and not self.lora:
+            raise UserError("--lora-mlp puts LoRA adapters on the MLP too, so it needs --lora.")
         if self.compile_backend != "inductor" and not self.compile:
             raise UserError(f"--compile-backend {self.compile_backend} needs --compile.")
         if self.compile:
@@ -163,6 +165,9 @@ class FineTuneOptions(TrainingRunOptions):
     def __post_init__(self):
         super().__post_init__()
         require_above_zero(epochs=self.epochs)
+        if self.merge and not self.lora:
+            raise UserError("--merge merges LoRA adapters into the weights, so it needs --lora (a full fine-tuning "
+                            "run saves whole weights already).")
         require_at_least(1, gradient_accumulation=self.gradient_accumulation, save_steps=self.save_steps,
                          logging_steps=self.logging_steps)
 

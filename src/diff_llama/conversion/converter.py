@@ -103,7 +103,8 @@ def convert_llama_to_diff_llama(
         layer_diagnostics, quality = write_weights(src, version, options, runner, folder, progress)
         write_model_files(src, version, folder, tokenizer)
         report = ConversionReport(
-            source=src.description,
+            # A local source by its absolute path: `recover` reads it back from wherever it is run.
+            source=str(Path(src.description).absolute()) if Path(src.description).exists() else src.description,
             output=str(Path(output).absolute()),
             options=asdict(options),
             num_attention_heads=version.config.num_attention_heads,
