@@ -300,6 +300,26 @@ def test_adapt_command_saves_a_model_that_reloads(tmp_path, chat_tokenizer, caps
     assert len(json.loads((output / "adapt.json").read_text())["steps"]) == 1
 
 
+def test_adapt_overwrite_replaces_its_own_run_with_the_checkpoints_it_kept(tmp_path, chat_tokenizer, capsys):
+    """A finished run keeps its last checkpoint (with adapt's own history in it): all of it is adapt's to replace."""
+    from diff_llama.cli import main as command_line
+    from diff_llama.output_folder import foreign_entries
+
+    source = tmp_path / "source"
+    tiny_model(vocab_size=len(chat_tokenizer), max_position_embeddings=1024).save_pretrained(source)
+    chat_tokenizer.save_pretrained(source)
+    out = tmp_path / "adapted"
+    argv = ["adapt", str(source), str(out), "--max-steps", "2", "--save-steps", "1", "--eval-every", "0",
+            "--autocast", "none"]
+    for key, value in SMALL.items():
+        argv += [f"--{key.replace('_', '-')}", *map(str, value if isinstance(value, list) else [value])]
+    assert command_line(argv) == 0
+    kept = sorted(out.glob("checkpoint-*"))
+    assert kept and (kept[-1] / "adapt_state.json").is_file()
+    assert foreign_entries(out, "adapt") == []
+    assert command_line([*argv, "--overwrite"]) == 0, capsys.readouterr().err
+
+
 def test_an_interrupted_adapt_leaves_no_folder_when_it_kept_nothing_and_otherwise_says_resume(
         tmp_path, chat_tokenizer, capsys, monkeypatch):
     from diff_llama.cli import main as command_line

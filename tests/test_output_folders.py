@@ -4,6 +4,7 @@ says in one line what it kept and how to go on, and that advice works."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -108,6 +109,21 @@ def test_convert_overwrite_never_replaces_a_model_another_command_trained(tmp_pa
     before = folder_checksum(out)
     err = _fails_in_one_line(capsys, ["convert", str(model_dir), str(out), "--overwrite"])
     assert "holds the output of diff-llama adapt" in err and "convert --overwrite never replaces" in err, err
+    assert folder_checksum(out) == before
+
+
+def test_convert_overwrite_never_removes_a_trainer_run_saved_in_the_converted_folder(tmp_path, llama_dir, capsys):
+    """The Trainer's checkpoints are the files of the commands that train: in a conversion's folder, one is a run of
+    the user's own (a Trainer pointed at the folder), which `convert --overwrite` leaves alone."""
+    out = tmp_path / "diff"
+    assert main(["convert", str(llama_dir), str(out), "--no-evaluate"]) == 0
+    checkpoint = out / "checkpoint-500"
+    checkpoint.mkdir()
+    for name in ("trainer_state.json", "optimizer.pt", "model.safetensors", "training_args.bin"):
+        (checkpoint / name).write_text("my run")
+    before = folder_checksum(out)
+    err = _fails_in_one_line(capsys, ["convert", str(llama_dir), str(out), "--overwrite", "--no-evaluate"])
+    assert f"{out} holds files diff-llama did not write (checkpoint-500/)" in err, err
     assert folder_checksum(out) == before
 
 
@@ -489,6 +505,34 @@ def test_an_output_under_a_file_is_one_line_naming_the_file(tmp_path, model_dir,
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+SYMLINKED_OUTPUT_COMMANDS = {
+    **OVERWRITE_COMMANDS,
+    "train": ["train", "{model}", "--data", "{text}", "--output", "{out}", "--max-steps", "1"],
+    "export-builtin": ["export-builtin", "{model}", "{out}"],
+}
+
+
+@pytest.mark.parametrize("target", ["missing", "empty-folder"])
+@pytest.mark.parametrize("command", SYMLINKED_OUTPUT_COMMANDS)
+def test_a_symbolic_link_as_the_output_is_refused_before_any_work(tmp_path, model_dir, llama_dir, capsys, command,
+                                                                   target):
+    """A replacement would put a folder in the link's place (or fail at the end, for a link to nothing, with the
+    finished output hidden): refused in one line, the link and what it points to left as they were."""
+    (tmp_path / "empty-folder").mkdir()
+    out = tmp_path / "link"
+    out.symlink_to(tmp_path / target)
+    (tmp_path / "text.txt").write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    model = llama_dir if command == "convert" else model_dir
+    argv = [part.format(model=model, out=out, text=tmp_path / "text.txt") for part in SYMLINKED_OUTPUT_COMMANDS[command]]
+    before = sorted(path.name for path in tmp_path.iterdir())
+    err = _fails_in_one_line(capsys, argv)
+    missing = ", which does not exist" if target == "missing" else ""
+    assert err.endswith(f"error: {out} is a symbolic link to {tmp_path / target}{missing}; give a real folder for the "
+                        "output (the folder the link points to, or a new name)."), err
+    assert sorted(path.name for path in tmp_path.iterdir()) == before
+    assert out.is_symlink() and not any((tmp_path / "empty-folder").iterdir())
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where no folder can be made")
 def test_an_output_the_file_system_will_not_hold_is_one_line(llama_dir, capsys):
     for overwrite in ([], ["--overwrite"]):  # in place, and through the hidden temporary folder of a replacement
@@ -516,6 +560,50 @@ def test_a_full_disk_during_conversion_is_one_line_and_leaves_nothing(tmp_path, 
     assert progress.startswith("converting") and err == ("diff-llama convert: error: No space left on device; free some space, or choose a place with more, "
                    "and run it again"), err
     assert sorted(path.name for path in tmp_path.iterdir()) == ["llama"]  # no output, no hidden partial folder
+
+
+@pytest.fixture
+def small_file_system(tmp_path):
+    """A real file system with room for a config and a tokenizer but not the weights: a 96 KiB tmpfs (mounting needs
+    root, as the CI machine runs)."""
+    place = tmp_path / "small"
+    place.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(place)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield place
+    finally:
+        subprocess.run(["umount", str(place)], check=True)
+
+
+@pytest.mark.parametrize("command", ["export-builtin", "train"])
+def test_a_full_disk_while_the_weights_are_written_is_one_line(tmp_path, model_dir, capsys, small_file_system,
+                                                                command):
+    """safetensors names the OS error only in the text of its own error type; it is said as any other full disk is,
+    and the advice of a rerun points the right way."""
+    out = small_file_system / "out"
+    (tmp_path / "text.txt").write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    argv = {"export-builtin": ["export-builtin", str(model_dir), str(out)],
+            "train": ["train", str(model_dir), "--data", str(tmp_path / "text.txt"), "--output", str(out),
+                      "--max-steps", "2", "--save-steps", "1", "--block-size", "16"]}[command]
+    capsys.readouterr()
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "bug" not in err
+    err = err.strip().rsplit("\n", 1)[-1]  # after the progress bars, closed before the error is printed
+    advice = "; free some space, or choose a place with more, and run it again"
+    if command == "export-builtin":  # the weights first: written by safetensors
+        assert err == f"diff-llama export-builtin: error: No space left on device (a .safetensors file){advice}", err
+        assert not any(small_file_system.iterdir())  # nothing half written
+    else:  # the Trainer writes its checkpoint in place (the model's code first): the rerun's advice is the one that works
+        partial = out / "checkpoint-1"
+        assert re.fullmatch(rf"diff-llama train: error: No space left on device \({re.escape(str(partial))}/\S+\)"
+                            rf"{re.escape(advice)}", err), err
+        assert partial.is_dir() and not (partial / "trainer_state.json").exists()
+        err = _fails_in_one_line(capsys, argv)
+        assert err.endswith(f"{partial} was cut short while being written (it has no trainer_state.json) and no "
+                            "checkpoint is complete; remove it and run the command again, or choose a new folder."), err
 
 
 @pytest.mark.parametrize("stage", ["reading the source", "writing the weights"])

@@ -66,7 +66,7 @@ def generate(model, prompt, options: o.GenerateOptions) -> int:
 
 def attention_map(model, options: o.AttentionMapOptions) -> int:
     from .attention_maps import attention_maps, plot_head
-    from .output_folder import holds_files, make_folder, write_marker
+    from .output_folder import files_added_together
     from .resolve import load_causal_lm, load_config, load_tokenizer, resolve_device
 
     device = resolve_device(options.device)
@@ -90,13 +90,15 @@ def attention_map(model, options: o.AttentionMapOptions) -> int:
     if options.source:
         source = load_causal_lm(options.source, attn_implementation="eager").to(device)
         source_maps = attention_maps(source, tokenizer, options.text, options.layer)[0]
-    if not holds_files(output):  # a folder of maps alone: a later --overwrite may replace them
-        make_folder(output)
-        write_marker(output, "attention-map")
-    for head, path in zip(selected, paths):
-        # Every conversion (both version-1 layouts and DIFF V2) makes LLaMA head i the first map of differential head i.
-        source_head = source_maps[head] if source_maps is not None and head < source_maps.shape[0] else None
-        print(f"wrote {plot_head(first, second, lam, differential, tokens, head, options.layer, path, source_head)}")
+    # All of this run's maps, or none: a folder of maps alone (with the marker), which a later --overwrite may replace.
+    with files_added_together(output, "attention-map") as staging:
+        for head, path in zip(selected, paths):
+            # Every conversion (both version-1 layouts and DIFF V2) makes LLaMA head i the first map of differential
+            # head i.
+            source_head = source_maps[head] if source_maps is not None and head < source_maps.shape[0] else None
+            plot_head(first, second, lam, differential, tokens, head, options.layer, staging / path.name, source_head)
+    for path in paths:
+        print(f"wrote {path}")
     return 0
 
 
@@ -104,8 +106,10 @@ def check_map_folder(output: Path, existing: list[Path], overwrite: bool, inputs
     """Maps of other layers or heads may share the folder (one that attention-map made): only the maps this run would
     replace are refused, and `overwrite` replaces them only in a folder of maps that diff-llama wrote. Never inside a
     model folder it reads (`inputs`)."""
-    from .output_folder import check_creatable, holds_files, inside_input_refusal, read_marker, replace_refusal
+    from .output_folder import (check_creatable, check_not_a_link, holds_files, inside_input_refusal, read_marker,
+                                replace_refusal)
 
+    check_not_a_link(output)
     if output.is_file():
         raise OutputExistsError(f"{output} is a file; give a folder for --output.")
     inside = inside_input_refusal(output, inputs)

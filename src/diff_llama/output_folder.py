@@ -48,13 +48,16 @@ PROJECT_FILES = (
     "ruler_cases.json", "ruler.json", "ruler.md",
     "adapt.json", "adapt.png", "training_report.json",
 )
-# The subfolders the commands write, and what may be in them: the converter's named chat templates, and the Trainer's
-# checkpoints (`checkpoint-STEP`, its trainer_state.json the sign; the model, optimizer and RNG states, the tokenizer).
+# The subfolders the commands write, what may be in them, and which commands write them (None: any): the converter's
+# named chat templates, and the Trainer's checkpoints (`checkpoint-STEP`, its trainer_state.json the sign; the model,
+# optimizer and RNG states, the tokenizer, and adapt's history of the run, `adaptation.resume.ADAPT_STATE`). A
+# checkpoint in a converted model's folder is a user's own training run: convert --overwrite never removes it.
 PROJECT_FOLDERS = {
-    CHAT_TEMPLATES_FOLDER: (None, ("*.jinja",)),
+    CHAT_TEMPLATES_FOLDER: (None, ("*.jinja",), None),
     "checkpoint-[0-9]*": ("trainer_state.json", (
         *PROJECT_FILES, "adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "scheduler.pt",
-        "scaler.pt", "rng_state*.pth", "training_args.bin", "trainer_state.json", "pytorch_model*.bin")),
+        "scaler.pt", "rng_state*.pth", "training_args.bin", "trainer_state.json", "pytorch_model*.bin",
+        "adapt_state.json"), ("train", "recover", "adapt")),
 }
 
 # A hidden folder of a killed run whose owner cannot be asked (made on another machine, or by an older version that
@@ -90,14 +93,17 @@ def _carries_our_sign(folder: Path) -> bool:
         return False
 
 
-def _is_project_entry(entry: Path) -> bool:
+def _is_project_entry(entry: Path, command: str | None) -> bool:
     """Whether a command writes `entry` of an output folder: a file of `PROJECT_FILES`, or a subfolder of
-    `PROJECT_FOLDERS` that carries its sign and holds only what that subfolder holds (no further folders)."""
+    `PROJECT_FOLDERS` that `command` (None: a command not known) writes, that carries its sign and holds only what
+    that subfolder holds (no further folders)."""
     if entry.is_symlink():
         return False
     if entry.is_file():
         return is_license_file(entry.name) or any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in PROJECT_FILES)
-    for name, (sign, contents) in PROJECT_FOLDERS.items():
+    for name, (sign, contents, writers) in PROJECT_FOLDERS.items():
+        if writers is not None and command not in writers:
+            continue
         if entry.is_dir() and fnmatch.fnmatchcase(entry.name, name) and (sign is None or (entry / sign).is_file()):
             return all(each.is_file() and not each.is_symlink()
                        and any(fnmatch.fnmatchcase(each.name, pattern) for pattern in contents)
@@ -105,14 +111,14 @@ def _is_project_entry(entry: Path) -> bool:
     return False
 
 
-def foreign_entries(folder: str | os.PathLike) -> list[str]:
-    """The entries of `folder` that diff-llama did not write: all of them when it carries no sign of ours, else those
-    whose names no command writes. Folders are shown with a trailing /."""
+def foreign_entries(folder: str | os.PathLike, command: str | None = None) -> list[str]:
+    """The entries of `folder` that diff-llama (`command`, when it is known) did not write: all of them when it
+    carries no sign of ours, else those whose names no command writes. Folders are shown with a trailing /."""
     folder = Path(folder)
     entries = sorted(folder.iterdir())
     ours = _carries_our_sign(folder)
     return [entry.name + ("/" if entry.is_dir() else "") for entry in entries
-            if not (ours and _is_project_entry(entry))]
+            if not (ours and _is_project_entry(entry, command))]
 
 
 def _protected_place(path: Path) -> str | None:
@@ -181,7 +187,7 @@ def replace_refusal(path: str | os.PathLike, inputs=(), command: str | None = No
         return refusal
     if not path.is_dir():
         return None
-    foreign = foreign_entries(path)
+    foreign = foreign_entries(path, command)
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         return (f"{path} holds files diff-llama did not write ({shown}), which --overwrite never replaces; choose a "
@@ -193,6 +199,15 @@ def replace_refusal(path: str | os.PathLike, inputs=(), command: str | None = No
     return None
 
 
+def check_not_a_link(path: Path) -> None:
+    """Refuse an output that is a symbolic link: a replacement would put a folder in the link's place, and a link to
+    nothing would fail only once the work is done."""
+    if path.is_symlink():
+        missing = "" if path.exists() else ", which does not exist"
+        raise OutputExistsError(f"{path} is a symbolic link to {os.readlink(path)}{missing}; give a real folder for the "
+                                "output (the folder the link points to, or a new name).")
+
+
 def check_new_output(path: str | os.PathLike, fix: str = "choose a new folder", overwrite: bool = False, *,
                      offers_overwrite: bool = True, inputs=(), command: str | None = None) -> None:
     """Raise OutputExistsError (a FileExistsError; one line: what is there and how to go on) unless `path` is new,
@@ -200,6 +215,7 @@ def check_new_output(path: str | os.PathLike, fix: str = "choose a new folder", 
     `inputs` and, for a command that replaces only its own outputs, its name). Without it, `fix` is the advice,
     followed by --overwrite for a command that `offers_overwrite` where --overwrite would be allowed."""
     path = Path(path)
+    check_not_a_link(path)
     if path.is_file():
         raise OutputExistsError(f"{path} is a file; give a folder name that does not exist yet.")
     inside = inside_input_refusal(path, inputs)
@@ -299,6 +315,35 @@ def new_output_folder(path: str | os.PathLike, overwrite: bool = False, fix: str
         if command is not None:
             write_marker(path, command, **marker_details)
         yield Path(path)
+
+
+@contextlib.contextmanager
+def files_added_together(output: str | os.PathLike, command: str):
+    """A hidden folder beside `output` to write new files for it into: they move into `output` together when the block
+    ends without an error (`output` made, with `command`'s marker, when it holds nothing yet), and go when it fails. So
+    a run that adds files to a folder of earlier ones (attention-map's maps) adds or replaces none of them unless it
+    finishes, and never leaves a file half written under its final name."""
+    output = Path(output).absolute()
+    remove_stale_temporaries(output)
+    created = _missing_folders(output.parent)
+    with creating(output):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=_temporary_prefix(output, "partial"), dir=output.parent))
+    try:
+        yield staging
+    except BaseException as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        _remove_empty(created)
+        if isinstance(error, KeyboardInterrupt) and not isinstance(error, Interrupted):
+            kept = f"{output} is left as it was" if output.exists() else "nothing was written"
+            raise Interrupted(f"{kept}; run the command again to start over") from None
+        raise
+    if not holds_files(output):
+        make_folder(output)
+        write_marker(output, command)
+    for file in sorted(staging.iterdir()):
+        os.replace(file, output / file.name)
+    staging.rmdir()
 
 
 @contextlib.contextmanager
@@ -426,7 +471,7 @@ def _is_abandoned(kind: str, name: str, folder: Path) -> bool:
     entries = [entry.name for entry in folder.iterdir()]
     if kind == "old" and entries != ["old"]:
         return False
-    if kind == "partial" and not all(_is_project_entry(folder / entry) for entry in entries):
+    if kind == "partial" and not all(_is_project_entry(folder / entry, None) for entry in entries):
         return False  # holds something our runs do not write: not ours to remove
     named = re.fullmatch(r"(?P<host>.+)-(?P<pid>\d+)-[a-z0-9_]{8}", name)
     if named and named["host"] == socket.gethostname():
@@ -468,5 +513,5 @@ def remove_stale_temporaries(output: str | os.PathLike) -> None:
     if restored:
         print(f"Restored {output} from {restored}, where an interrupted --overwrite had moved it.", file=sys.stderr)
     if removed:
-        print(f"Removed {', '.join(removed)} from {output.parent}: left by an interrupted run writing {output.name}.",
-              file=sys.stderr)
+        print(f"Removed {', '.join(removed)} from {output.parent}: left by a run writing {output.name} that did not "
+              "finish.", file=sys.stderr)

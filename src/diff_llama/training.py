@@ -226,6 +226,11 @@ def resume_checkpoint(output_dir: str | Path, resume: bool, inputs=()) -> str | 
     if resume and last is None:
         raise InputNotFoundError(f"--resume: no checkpoint-N folder in {output_dir}; start without --resume.")
     if not resume and checkpoints:
+        if last is None:  # what --resume refuses too: say at once what does go on
+            raise OutputExistsError(
+                f"{checkpoints[-1]} was cut short while being written (it has no {TRAINER_STATE_NAME}) and no "
+                "checkpoint is complete; remove it and run the command again, or choose a new folder."
+            )
         raise OutputExistsError(
             f"{output_dir} already holds training checkpoints; pass --resume to continue, or choose a new folder."
         )

@@ -82,6 +82,20 @@ def _close_progress_bars() -> None:
         bar.close()
 
 
+def _file_system_refusal(error: Exception) -> str | None:
+    """One line for a file operation that the file system refused (`FILE_SYSTEM_REFUSALS`): an OSError, or the error
+    safetensors raises in its own type, which names the OS error only in its text ("... (os error 28)")."""
+    if isinstance(error, OSError) and error.errno in FILE_SYSTEM_REFUSALS:
+        # A copy's error names its source first and its destination second: the destination is what was refused.
+        where = f" ({error.filename2 or error.filename})" if error.filename2 or error.filename else ""
+        return f"{error.strerror}{where}; {FILE_SYSTEM_REFUSALS[error.errno]}"
+    found = re.search(r"\(os error (\d+)\)", str(error)) if type(error).__name__ == "SafetensorError" else None
+    number = int(found[1]) if found else None
+    if number in FILE_SYSTEM_REFUSALS:
+        return f"{os.strerror(number)} (a .safetensors file); {FILE_SYSTEM_REFUSALS[number]}"
+    return None
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     prefix = f"{PROG}{' ' + argv[0] if argv and argv[0] in COMMANDS else ''}"
@@ -100,9 +114,9 @@ def main(argv=None) -> int:
         if isinstance(error, errors.UserError):
             print(f"{prefix}: error: {' '.join(str(error).split())}", file=sys.stderr)
             return 2
-        if isinstance(error, OSError) and error.errno in FILE_SYSTEM_REFUSALS:  # not a UserError: returned above
-            where = f" ({error.filename})" if error.filename else ""
-            print(f"{prefix}: error: {error.strerror}{where}; {FILE_SYSTEM_REFUSALS[error.errno]}", file=sys.stderr)
+        refused = _file_system_refusal(error)  # not a UserError: returned above
+        if refused is not None:
+            print(f"{prefix}: error: {refused}", file=sys.stderr)
             return 1
         traceback.print_exc()
         print(f"{prefix}: this is a bug in diff-llama; please report it with the traceback above", file=sys.stderr)
