@@ -418,13 +418,36 @@ def test_an_interrupted_train_names_its_last_checkpoint_and_resume_continues_fro
     history = json.loads((out / "training_log.json").read_text())
     assert [entry["step"] for entry in history if "loss" in entry] == [1, 2, 3, 4]
 
-    # Stopped before its first checkpoint: nothing kept, and the same command starts over in the same folder.
+    # Stopped before its first checkpoint: nothing kept, not even the folders the run made, and the same command
+    # starts over.
+    early = [*argv[:5], str(tmp_path / "runs" / "early"), *argv[6:]]
     with monkeypatch.context() as patch:
         _interrupt_training_at(patch, 1)
-        assert _interrupted(capsys, [*argv[:5], str(tmp_path / "early"), *argv[6:]]) == (
+        assert _interrupted(capsys, early) == (
             "diff-llama train: interrupted; no checkpoint was written yet (one every --save-steps steps); run the "
             "command again to start over")
-    assert main([*argv[:5], str(tmp_path / "early"), *argv[6:]]) == 0
+    assert not (tmp_path / "runs").exists()
+    assert main(early) == 0
+
+
+def test_a_recover_stopped_before_its_first_checkpoint_leaves_no_folder(tmp_path, tokenizer, capsys, monkeypatch):
+    from transformers import Trainer
+
+    make_llama(tmp_path / "llama", tokenizer, num_hidden_layers=1)
+    assert main(["convert", str(tmp_path / "llama"), str(tmp_path / "v1"), "--diff-version", "1",
+                 "--calibration-tokens", "256", "--seq-len", "128", "--no-evaluate"]) == 0
+    monkeypatch.setattr(Trainer, "training_step", mock.Mock(side_effect=KeyboardInterrupt))
+    argv = ["recover", str(tmp_path / "v1"), "--output", str(tmp_path / "runs" / "recovered"), "--max-steps", "2",
+            "--block-size", "16", "--batch-size", "1", "--eval-tokens", "64"]
+    assert _interrupted(capsys, argv) == (
+        "diff-llama recover: interrupted; no checkpoint was written yet (one every --save-steps steps); run the "
+        "command again to start over")
+    assert not (tmp_path / "runs").exists()
+    # A folder that was there before the run is the user's: an interrupted run keeps it.
+    (tmp_path / "mine").mkdir()
+    assert _interrupted(capsys, [*argv[:3], str(tmp_path / "mine"), *argv[4:]]).endswith("run the command again to "
+                                                                                          "start over")
+    assert (tmp_path / "mine").is_dir()
 
 
 def test_an_interrupted_demo_leaves_its_output_as_it_was(tmp_path, capsys, monkeypatch):

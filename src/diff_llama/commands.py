@@ -24,7 +24,7 @@ def recover(model, options: o.RecoveryOptions) -> int:
     from .recovery import recover
     from .training import continuable
 
-    with continuable(options.output):
+    with continuable(options.output), removed_if_left_empty(options.output):
         report = recover(model, options)
     print(f"Held-out perplexity: source {report['source_perplexity']:.2f}, recovered {report['final_perplexity']:.2f} "
           f"({report['ratio']:.3f}x) after {report['steps']} steps; mean |λ| {report['final_mean_abs_lambda']:.3f}. "
@@ -35,11 +35,23 @@ def recover(model, options: o.RecoveryOptions) -> int:
 def train(model, options: o.FineTuneOptions) -> int:
     from .training import continuable, train
 
-    with continuable(options.output):
+    with continuable(options.output), removed_if_left_empty(options.output):
         output = train(model, options)
     if int(os.environ.get("RANK", "0")) == 0:  # one line for a multi-process launch too
         print(f"Saved the {'adapter' if options.lora and not options.merge else 'model'} to {output}")
     return 0
+
+
+def removed_if_left_empty(output):
+    """Around a run whose Trainer makes `output`: a run that fails or is stopped before its first checkpoint leaves no
+    empty folder behind (and none of the folders above it that it made). A folder that was there before is kept."""
+    import contextlib
+
+    from .output_folder import removed_unless_written
+
+    if Path(output).exists() or int(os.environ.get("RANK", "0")) != 0:  # the main process owns the folder
+        return contextlib.nullcontext()
+    return removed_unless_written(output)
 
 
 def generate(model, prompt, options: o.GenerateOptions) -> int:
