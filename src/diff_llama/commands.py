@@ -118,17 +118,9 @@ def check_map_folder(output: Path, existing: list[Path], overwrite: bool, inputs
     """Maps of other layers or heads may share the folder (one that attention-map made): only the maps this run would
     replace are refused, and `overwrite` replaces them only in a folder of maps that diff-llama wrote. Never inside a
     model folder it reads (`inputs`)."""
-    from .output_folder import (check_creatable, check_not_a_link, holds_files, inside_input_refusal, read_marker,
-                                replace_refusal)
+    from .output_folder import check_output_place, holds_files, read_marker, replace_refusal
 
-    check_not_a_link(output)
-    if output.is_file():
-        raise OutputExistsError(f"{output} is a file; give a folder for --output.")
-    inside = inside_input_refusal(output, inputs)
-    if inside is not None:
-        raise OutputExistsError(f"{inside}.")
-    if not output.exists():
-        check_creatable(output)
+    check_output_place(output, inputs, if_a_file="give a folder for --output")
     refusal = replace_refusal(output) if existing else None
     if overwrite and refusal is not None:
         raise OutputExistsError(f"--overwrite refused: {refusal}.")

@@ -208,6 +208,19 @@ def check_not_a_link(path: Path) -> None:
                                 "output (the folder the link points to, or a new name).")
 
 
+def check_output_place(path: Path, inputs=(), *, if_a_file: str) -> None:
+    """Where an output folder may go, before what it holds is looked at: not a symbolic link, not a file (`if_a_file`
+    is the advice then), not inside a model folder the command reads (`inputs`), and creatable where it is new."""
+    check_not_a_link(path)
+    if path.is_file():
+        raise OutputExistsError(f"{path} is a file; {if_a_file}.")
+    inside = inside_input_refusal(path, inputs)
+    if inside is not None:
+        raise OutputExistsError(f"{inside}.")
+    if not path.exists():
+        check_creatable(path)
+
+
 def check_new_output(path: str | os.PathLike, fix: str = "choose a new folder", overwrite: bool = False, *,
                      offers_overwrite: bool = True, inputs=(), command: str | None = None) -> None:
     """Raise OutputExistsError (a FileExistsError; one line: what is there and how to go on) unless `path` is new,
@@ -215,14 +228,7 @@ def check_new_output(path: str | os.PathLike, fix: str = "choose a new folder", 
     `inputs` and, for a command that replaces only its own outputs, its name). Without it, `fix` is the advice,
     followed by --overwrite for a command that `offers_overwrite` where --overwrite would be allowed."""
     path = Path(path)
-    check_not_a_link(path)
-    if path.is_file():
-        raise OutputExistsError(f"{path} is a file; give a folder name that does not exist yet.")
-    inside = inside_input_refusal(path, inputs)
-    if inside is not None:
-        raise OutputExistsError(f"{inside}.")
-    if not path.exists():
-        check_creatable(path)
+    check_output_place(path, inputs, if_a_file="give a folder name that does not exist yet")
     if overwrite:
         refusal = replace_refusal(path, inputs, command) if path.exists() else None
         if refusal is not None:
