@@ -303,7 +303,7 @@ def test_adapt_command_saves_a_model_that_reloads(tmp_path, chat_tokenizer, caps
 def test_adapt_overwrite_replaces_its_own_run_with_the_checkpoints_it_kept(tmp_path, chat_tokenizer, capsys):
     """A finished run keeps its last checkpoint (with adapt's own history in it): all of it is adapt's to replace."""
     from diff_llama.cli import main as command_line
-    from diff_llama.output_folder import foreign_entries
+    from diff_llama.output_folder import changed_since_written, foreign_entries, read_marker
 
     source = tmp_path / "source"
     tiny_model(vocab_size=len(chat_tokenizer), max_position_embeddings=1024).save_pretrained(source)
@@ -317,7 +317,17 @@ def test_adapt_overwrite_replaces_its_own_run_with_the_checkpoints_it_kept(tmp_p
     kept = sorted(out.glob("checkpoint-*"))
     assert kept and (kept[-1] / "adapt_state.json").is_file()
     assert foreign_entries(out, "adapt") == []
+    assert f"{kept[-1].name}/adapt_state.json" in read_marker(out)["files"] and changed_since_written(out) == []
     assert command_line([*argv, "--overwrite"]) == 0, capsys.readouterr().err
+    # The model saved over by the user's own training is theirs: refused, and left as it is.
+    tiny_model(vocab_size=len(chat_tokenizer), max_position_embeddings=1024, seed=1).save_pretrained(out)
+    weights = (out / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    assert command_line([*argv, "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "--overwrite refused" in err and "written again since diff-llama made the folder" in err, err
+    assert "model.safetensors" in changed_since_written(out)
+    assert (out / "model.safetensors").read_bytes() == weights
 
 
 def test_an_interrupted_adapt_leaves_no_folder_when_it_kept_nothing_and_otherwise_says_resume(

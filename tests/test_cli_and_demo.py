@@ -497,13 +497,18 @@ def test_evaluate_overwrite_replaces_the_old_report_whole(tmp_path, tokenizer, c
     argv = ["evaluate", str(tmp_path / "llama"), "--output", str(out), "--lengths", "160", "--settings", "1x1",
             "--depths", "50", "--cases-per-depth", "1", "--perplexity-tokens", "0", "--max-new-tokens", "2"]
     assert main(argv) == 0
-    (out / "retrieval.md").write_text("old")
     assert main([*argv, "--overwrite", "--max-new-tokens", "3"]) == 0
     assert sorted(p.name for p in out.iterdir()) == [".diff-llama-output", "cases.jsonl", "retrieval.json",
                                                      "retrieval.md", "retrieval.png"]
-    assert (out / "retrieval.md").read_text() != "old" and len((out / "cases.jsonl").read_text().splitlines()) == 1
+    assert len((out / "cases.jsonl").read_text().splitlines()) == 1
     assert json.loads((out / "retrieval.json").read_text())["options"]["max_new_tokens"] == 3
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left behind
+    with (out / "retrieval.md").open("a") as report:  # a report edited since is the user's: never replaced
+        report.write("\nWhat I make of it.\n")
+    capsys.readouterr()
+    assert main([*argv, "--overwrite"]) == 2
+    assert "written again since diff-llama made the folder (retrieval.md" in capsys.readouterr().err
+    assert "What I make of it." in (out / "retrieval.md").read_text()
 
 
 @pytest.mark.parametrize("engine", ["transformers", "vllm"])

@@ -17,7 +17,8 @@ from conftest import folder_checksum, make_llama, tiny_model
 from diff_llama.cli import main
 from diff_llama.configuration_diff_llama import REMOTE_CODE_FILES
 from diff_llama.output_folder import (
-    MARKER, foreign_entries, new_output_folder, remove_stale_temporaries, write_marker,
+    MARKER, changed_since_written, foreign_entries, new_output_folder, read_marker, remove_stale_temporaries,
+    write_marker,
 )
 
 
@@ -125,6 +126,73 @@ def test_convert_overwrite_never_removes_a_trainer_run_saved_in_the_converted_fo
     err = _fails_in_one_line(capsys, ["convert", str(llama_dir), str(out), "--overwrite", "--no-evaluate"])
     assert f"{out} holds files diff-llama did not write (checkpoint-500/)" in err, err
     assert folder_checksum(out) == before
+
+
+def _edit_the_card(out):
+    with (out / "README.md").open("a") as card:
+        card.write("\nMy notes on this model.\n")
+
+
+def _save_weights_over(out):
+    tiny_model(vocab_size=128).save_pretrained(out)  # the user's own training saved where the conversion is
+
+
+def _copy_without_times(out):
+    """A copy made later that does not keep file times (`cp -r`): every file looks written since."""
+    import shutil
+
+    copy = out.with_name("copy")
+    shutil.copytree(out, copy, copy_function=shutil.copyfile)
+    later = time.time() + 60
+    for path in copy.rglob("*"):
+        os.utime(path, (later, later))
+    shutil.rmtree(out)
+    copy.rename(out)
+
+
+@pytest.mark.parametrize("change, shown", [(_edit_the_card, "README.md"), (_save_weights_over, "model.safetensors"),
+                                           (_copy_without_times, "model.safetensors")],
+                         ids=["card-edited", "weights-saved-over", "copied-without-times"])
+def test_convert_overwrite_never_replaces_a_file_written_again_since(tmp_path, llama_dir, capsys, change, shown):
+    """A file of a conversion that was written again since (a model card edited by hand, weights saved there by the
+    user's own training) is the user's work: `convert --overwrite` refuses the folder, naming the file and the fix."""
+    out = tmp_path / "diff"
+    argv = ["convert", str(llama_dir), str(out), "--no-evaluate"]
+    assert main(argv) == 0
+    change(out)
+    before = folder_checksum(out)
+    err = _fails_in_one_line(capsys, [*argv, "--overwrite"])
+    assert "--overwrite refused" in err and "written again since diff-llama made the folder" in err, err
+    assert shown in err and "choose a new folder, or move them out" in err, err
+    assert folder_checksum(out) == before
+    assert "--overwrite" not in _fails_in_one_line(capsys, argv)  # nor offered
+
+
+def test_what_convert_writes_is_recorded_and_a_copy_that_keeps_times_stays_replaceable(tmp_path, llama_dir):
+    """The record covers every file the conversion wrote, and nothing the command does after it counts as a change:
+    an unchanged folder, one copied with its times, and one whose times lost their fraction of a second (a tar
+    archive) are replaced by --overwrite. A folder of an older version, without a record, is too."""
+    import shutil
+
+    out = tmp_path / "diff"
+    argv = ["convert", str(llama_dir), str(out), "--no-evaluate"]
+    assert main(argv) == 0
+    recorded = read_marker(out)["files"]
+    assert {"config.json", "model.safetensors", "README.md", "conversion_report.json"} <= set(recorded)
+    assert set(recorded) == {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} - {MARKER}
+    assert changed_since_written(out) == []
+    shutil.copytree(out, tmp_path / "copy")  # copy2: times kept
+    for path in (tmp_path / "copy").rglob("*"):
+        seconds = int(path.stat().st_mtime)
+        os.utime(path, (seconds, seconds))
+    for folder in (out, tmp_path / "copy"):
+        assert main(["convert", str(llama_dir), str(folder), "--no-evaluate", "--overwrite"]) == 0
+    old = json.loads((out / MARKER).read_text())
+    del old["files"]
+    (out / MARKER).write_text(json.dumps(old))
+    _edit_the_card(out)  # an older version's folder: nothing says what was written, as before
+    assert main([*argv, "--overwrite"]) == 0
+    assert "My notes" not in (out / "README.md").read_text()
 
 
 @pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])

@@ -2,6 +2,7 @@
 (the positional arguments, then one instance per option dataclass; see `diff_llama_cli.command_table`). Each returns the
 exit code. Heavy modules are imported inside the functions, so that a command loads only what it uses."""
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -45,8 +46,6 @@ def train(model, options: o.FineTuneOptions) -> int:
 def removed_if_left_empty(output):
     """Around a run whose Trainer makes `output`: a run that fails or is stopped before its first checkpoint leaves no
     empty folder behind (and none of the folders above it that it made). A folder that was there before is kept."""
-    import contextlib
-
     from .output_folder import removed_unless_written
 
     if Path(output).exists() or int(os.environ.get("RANK", "0")) != 0:  # the main process owns the folder

@@ -4,12 +4,13 @@ Every command that writes a folder treats it alike: a new (or empty) folder is w
 files is refused in one line naming the fix. `--overwrite` replaces a folder only when this project wrote it and it
 holds nothing else (`replace_refusal`): it carries a sign of ours (the `MARKER` file the commands write, a
 `conversion_report.json`, or a `config.json` of model_type diff_llama) and every entry in it is a name the project
-writes (`PROJECT_FILES`). A user's file dropped into such a folder would be lost, so it is refused too, and so are the
-working directory, any folder above it, the home folder and `/`, whatever they hold. More refusals protect what a
-run reads and what took long to make: no command replaces its own input or a folder that holds it (`input_refusal`),
-nor makes its output inside an input folder (`inside_input_refusal`), and a command that names itself (evaluate,
-ruler, demo, adapt) replaces only an earlier output of its own, never a converted or trained model that another
-command wrote (`other_commands_output`).
+writes (`PROJECT_FILES`). A user's file dropped into such a folder would be lost, so it is refused too, and so is a
+file of ours written again since (`changed_since_written`: a model card edited by hand, weights saved there by the
+user's own training), and so are the working directory, any folder above it, the home folder and `/`, whatever they
+hold. More refusals protect what a run reads and what took long to make: no command replaces its own input or a
+folder that holds it (`input_refusal`), nor makes its output inside an input folder (`inside_input_refusal`), and a
+command that names itself (evaluate, ruler, demo, adapt) replaces only an earlier output of its own, never a converted
+or trained model that another command wrote (`other_commands_output`).
 
 A replacement is written into a hidden temporary folder beside the old one and swapped in only when complete
 (`AtomicOutputFolder`), so a run that fails leaves the old contents as they were. A killed run leaves that hidden
@@ -82,6 +83,55 @@ def read_marker(folder: str | os.PathLike) -> dict | None:
 def write_marker(folder: str | os.PathLike, command: str, **details) -> None:
     (Path(folder) / MARKER).write_text(json.dumps({"written_by": f"diff-llama {command}", "command": command,
                                                    **details}, indent=1) + "\n")
+
+
+# The precisions a copy that keeps file times may keep them at (ns), coarser than the file system's own: rsync's and
+# some file systems' microseconds, tar's whole seconds, zip's and FAT's two.
+KEPT_TIME_UNITS_NS = (1, 1000, 10**9, 2 * 10**9)
+
+
+def _same_time(recorded: int, current: int) -> bool:
+    """Whether the modification time `current` is `recorded`, or that time kept at a coarser precision. A file
+    written again has a new time at the file system's own precision, which passes for the recorded one only when it
+    falls within a unit of it and on a whole unit."""
+    return any(current % unit == 0 and abs(current - recorded) < unit for unit in KEPT_TIME_UNITS_NS)
+
+
+def _written_files(folder: Path) -> dict[str, list[int]]:
+    """Every file under `folder` but the marker, by its path relative to `folder`: [size, modification time in ns]."""
+    found = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and not path.is_symlink() and path != folder / MARKER:
+            stat = path.stat()
+            found[path.relative_to(folder).as_posix()] = [stat.st_size, stat.st_mtime_ns]
+    return found
+
+
+def record_written_files(folder: str | os.PathLike, command: str) -> None:
+    """Note in the marker of `folder`, which `command` has just finished writing, each file's size and time, so that a
+    later `--overwrite` can tell a file written again since (`changed_since_written`) from one of ours."""
+    folder = Path(folder)
+    details = {key: value for key, value in (read_marker(folder) or {}).items()
+               if key not in ("written_by", "command", "files")}
+    write_marker(folder, command, **details, files=_written_files(folder))
+
+
+def changed_since_written(folder: str | os.PathLike) -> list[str]:
+    """The files of `folder` written (or added) since the command that made it recorded them, largest first: each
+    one's size or time differs from the marker's record, or it has none. Empty for a folder without a record (an
+    older version's)."""
+    folder = Path(folder)
+    recorded = (read_marker(folder) or {}).get("files")
+    if not isinstance(recorded, dict):
+        return []
+    changed = []
+    for name, (size, modified) in _written_files(folder).items():
+        then = recorded.get(name)
+        kept = (isinstance(then, list) and len(then) == 2 and all(isinstance(each, int) for each in then)
+                and then[0] == size and _same_time(then[1], modified))
+        if not kept:
+            changed.append((-size, name))
+    return [name for _, name in sorted(changed)]
 
 
 def _carries_our_sign(folder: Path) -> bool:
@@ -166,8 +216,10 @@ def other_commands_output(folder: Path, command: str) -> str | None:
     """What `folder` holds when a command other than `command` wrote it ("the output of diff-llama demo" from its
     marker, or "a model" from a model's files), or None when `command` wrote it or nothing says who did."""
     written_by = (read_marker(folder) or {}).get("command")
-    if written_by is not None:
-        return None if written_by == command else f"the output of diff-llama {written_by}"
+    if written_by == command:
+        return None
+    if written_by not in (None, "convert"):  # convert's marker only records its files: its folder is a model
+        return f"the output of diff-llama {written_by}"
     if command == "convert" and (folder / "conversion_report.json").is_file():
         return None  # a conversion's own report, and no marker of a command that trained it since
     if (folder / "config.json").is_file() or (folder / "conversion_report.json").is_file():
@@ -192,6 +244,12 @@ def replace_refusal(path: str | os.PathLike, inputs=(), command: str | None = No
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         return (f"{path} holds files diff-llama did not write ({shown}), which --overwrite never replaces; choose a "
                 "new folder, or move them out")
+    changed = changed_since_written(path)
+    if changed:
+        shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        return (f"{path} holds files written again since diff-llama made the folder ({shown}: their size or time is "
+                "not the one it recorded, as after an edit, or a copy that did not keep file times), which --overwrite "
+                "never replaces; choose a new folder, or move them out")
     other = other_commands_output(path, command) if command is not None else None
     if other is not None:
         return (f"{path} holds {other}, which {command} --overwrite never replaces (it replaces only an earlier "
@@ -321,6 +379,8 @@ def new_output_folder(path: str | os.PathLike, overwrite: bool = False, fix: str
         if command is not None:
             write_marker(path, command, **marker_details)
         yield Path(path)
+    if command is not None:
+        record_written_files(path, command)
 
 
 @contextlib.contextmanager
@@ -434,6 +494,8 @@ class AtomicOutputFolder:
                 kept = f"{self.output} is left as it was" if self.output.exists() else "nothing was written"
                 raise Interrupted(f"{kept}; run the command again to start over") from None
             return False
+        if self.command is not None:
+            record_written_files(self.path, self.command)
         _make_shareable(self.path)
         self._recheck_before_swap()
         if self.output.exists():

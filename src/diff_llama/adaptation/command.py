@@ -41,7 +41,8 @@ def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: st
     process trains; the main one checks and writes OUTPUT. With `overwrite`, the earlier run in OUTPUT is removed
     once the model has loaded (the new one writes its checkpoints there, for --resume)."""
     from ..output_folder import (
-        clear_output, give_weights_the_usual_permissions, make_folder, removed_unless_written, write_marker,
+        clear_output, give_weights_the_usual_permissions, make_folder, record_written_files, removed_unless_written,
+        write_marker,
     )
     from ..retrieval import display_name
     from ..training import continuable
@@ -66,7 +67,8 @@ def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: st
                 if overwrite and output.is_dir():
                     clear_output(output, inputs=[model_name], command="adapt")
                 make_folder(output)
-                write_marker(output, "adapt")  # a later --overwrite may replace the folder
+            if main_process:  # a later --overwrite may replace the folder; a resumed run's old record of it goes
+                write_marker(output, "adapt")
             history = adapt(model, tokenizer, options, output, name=name)
         if not main_process:
             return 0
@@ -75,6 +77,7 @@ def run_adapt(model_name: str, output: str, options: AdaptationOptions, name: st
             copy_license_files(model_name, output)
             write_training_report(output, adaptation_report(upstream, options, history))
         give_weights_the_usual_permissions(output)  # the model's and the checkpoints'
+        record_written_files(output, "adapt")
     first, last, steps = history["probes"][0], history["probes"][-1], len(history["steps"])
     print(f"{name}: {steps} step{'' if steps == 1 else 's'} in {history['train_minutes']:.1f} training minutes; probe "
           f"accuracy {first['accuracy']:.0%} -> {last['accuracy']:.0%}, perplexity {first['perplexity']:.2f} -> "
