@@ -41,12 +41,19 @@ def test_export_builtin_command(tmp_path, capsys):
     tiny_model(num_attention_heads=8, num_key_value_heads=2).save_pretrained(tmp_path / "ours")
     assert main(["export-builtin", str(tmp_path / "ours"), str(tmp_path / "builtin")]) == 0
     assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "builtin")) is transformers.DiffLlamaForCausalLM
-    err = _fails_in_one_line(capsys, ["export-builtin", str(tmp_path / "ours"), str(tmp_path / "builtin")])
-    assert err.endswith("is not empty; choose a new folder.")
+    argv = ["export-builtin", str(tmp_path / "ours"), str(tmp_path / "builtin")]
+    err = _fails_in_one_line(capsys, argv)
+    assert err.endswith("is not empty; choose a new folder, or pass --overwrite to replace it."), err
+    first = (tmp_path / "builtin" / "model.safetensors").stat().st_ino
+    assert main([*argv, "--overwrite"]) == 0  # its own earlier output, replaced whole
+    assert (tmp_path / "builtin" / "model.safetensors").stat().st_ino != first
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left behind
     (tmp_path / "empty").mkdir()  # an empty folder is written into, as by every command
     assert main(["export-builtin", str(tmp_path / "ours"), str(tmp_path / "empty")]) == 0
     assert (tmp_path / "empty" / "config.json").is_file()
-    # export-builtin has no --overwrite: its refusal of a folder diff-llama wrote (here its own input) offers none
+    # A folder diff-llama wrote that is the command's own input: refused, and --overwrite not offered
+    err = _fails_in_one_line(capsys, ["export-builtin", str(tmp_path / "ours"), str(tmp_path / "ours"), "--overwrite"])
+    assert "--overwrite refused" in err and "is this command's input" in err, err
     before = sorted(p.name for p in (tmp_path / "ours").iterdir())
     err = _fails_in_one_line(capsys, ["export-builtin", str(tmp_path / "ours"), str(tmp_path / "ours")])
     assert err.endswith("is not empty; choose a new folder.") and "--overwrite" not in err, err

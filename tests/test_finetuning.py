@@ -400,7 +400,7 @@ def test_a_lora_run_loads_wherever_a_model_does(tmp_path, saved_model, capsys, m
     assert main(["merge", str(adapter), "merged"]) == 0
     assert f"Wrote merged: {adapter} merged into its base model" in capsys.readouterr().out
     trained_merged = tmp_path / "runs" / "merged"
-    written = {p.name for p in (elsewhere / "merged").iterdir()}
+    written = {p.name for p in (elsewhere / "merged").iterdir()} - {".diff-llama-output"}  # beside merge's marker
     beside_training = {p.name for p in trained_merged.iterdir() if p.is_file()} - {"training_log.json",
                                                                                    "training_loss.png"}
     assert written == beside_training, written
@@ -418,6 +418,14 @@ def test_a_lora_run_loads_wherever_a_model_does(tmp_path, saved_model, capsys, m
     card = (elsewhere / "merged" / "README.md").read_text()  # a whole DiffLlama's, naming the folder, not its draft
     assert 'from_pretrained("./merged", trust_remote_code=True)' in card and "partial" not in card, card
     assert main(["push", "merged", "me/x", "--dry-run"]) == 0
+    capsys.readouterr()
+    # Merged again into the same folder: refused, offering --overwrite, which replaces it whole.
+    assert main(["merge", str(adapter), "merged"]) == 2
+    assert "merged is not empty; choose a new folder, or pass --overwrite to replace it." in capsys.readouterr().err
+    first = (elsewhere / "merged" / "model.safetensors").stat().st_ino
+    assert main(["merge", str(adapter), "merged", "--overwrite"]) == 0
+    assert (elsewhere / "merged" / "model.safetensors").stat().st_ino != first
+    assert {p.name for p in (elsewhere / "merged").iterdir()} == written | {".diff-llama-output"}
     capsys.readouterr()
     # Bad input: one line each, nothing written, the adapter as it was.
     before = {p.name: p.read_bytes() for p in adapter.iterdir() if p.is_file()}

@@ -59,6 +59,7 @@ OVERWRITE_COMMANDS = {
     "attention-map": ["attention-map", "{model}", "--text", "The quick brown fox", "--layer", "0", "--head", "0",
                       "--output", "{out}"],
     "adapt": ["adapt", "{model}", "{out}", "--max-steps", "1"],
+    "export-builtin": ["export-builtin", "{model}", "{out}"],
 }
 
 

@@ -85,8 +85,9 @@ def refuse_other_model_types(source) -> None:
                         "DiffLlama (diff-llama convert --diff-version 1 makes one from a LLaMA).")
 
 
-def export_folder_to_builtin(source: str | os.PathLike, output_dir: str | os.PathLike) -> None:
-    """`diff-llama export-builtin`: the checkpoint in `source` saved for the built-in class, with its tokenizer."""
+def export_folder_to_builtin(source: str | os.PathLike, output_dir: str | os.PathLike, overwrite: bool = False) -> None:
+    """`diff-llama export-builtin`: the checkpoint in `source` saved for the built-in class, with its tokenizer. With
+    `overwrite`, an earlier export's output there is replaced once the new one is complete."""
     from pathlib import Path
 
     from transformers import AutoTokenizer
@@ -94,8 +95,9 @@ def export_folder_to_builtin(source: str | os.PathLike, output_dir: str | os.Pat
     from .output_folder import AtomicOutputFolder
     from .resolve import adapter_refusal, is_adapter_folder, save_tokenizer
 
-    # New or empty, and neither the source nor inside it; renamed into place once complete.
-    target = AtomicOutputFolder(output_dir, offers_overwrite=False, inputs=[source])
+    # New, empty or (with `overwrite`) an earlier export's, and neither the source nor inside it; renamed into place
+    # once complete.
+    target = AtomicOutputFolder(output_dir, overwrite=overwrite, inputs=[source], command="export-builtin")
     if not Path(source, "config.json").is_file():
         if is_adapter_folder(source):
             raise InputNotFoundError(adapter_refusal(source, "and export that folder"))

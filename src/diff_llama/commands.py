@@ -169,18 +169,18 @@ def push(model, repo_id, options: o.PushOptions) -> int:
     return 0
 
 
-def merge(adapter, output) -> int:
+def merge(adapter, output, command_options: o.ReplaceOutputOptions) -> int:
     from .training import merge_adapter_folder
 
-    merge_adapter_folder(adapter, output)
+    merge_adapter_folder(adapter, output, overwrite=command_options.overwrite)
     print(f"Wrote {output}: {adapter} merged into its base model, one plain model folder.")
     return 0
 
 
-def export_builtin(source, output) -> int:
+def export_builtin(source, output, command_options: o.ReplaceOutputOptions) -> int:
     from .builtin_interop import export_folder_to_builtin
 
-    export_folder_to_builtin(source, output)
+    export_folder_to_builtin(source, output, overwrite=command_options.overwrite)
     print(f"Wrote {output}: loads with transformers.AutoModelForCausalLM (model_type 'diffllama').")
     return 0
 

@@ -252,6 +252,15 @@ class AttentionMapOptions:
 
 
 @dataclass
+class ReplaceOutputOptions:
+    """--overwrite of a command that writes its folder whole and replaces only its own earlier output (merge,
+    export-builtin)."""
+    overwrite: bool = field(default=False, metadata={"help": (
+        "replace OUTPUT if an earlier run of this command wrote it and it holds nothing else (written beside it first, "
+        "swapped in when done)")})
+
+
+@dataclass
 class PushOptions:
     private: bool = field(default=False, metadata={"help": "create the repository as private"})
     token: str | None = field(default=None, metadata={"help": "Hub token (default: the logged-in one)"})

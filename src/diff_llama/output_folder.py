@@ -9,8 +9,8 @@ file of ours written again since (`changed_since_written`: a model card edited b
 user's own training), and so are the working directory, any folder above it, the home folder and `/`, whatever they
 hold. More refusals protect what a run reads and what took long to make: no command replaces its own input or a
 folder that holds it (`input_refusal`), nor makes its output inside an input folder (`inside_input_refusal`), and a
-command that names itself (evaluate, ruler, demo, adapt) replaces only an earlier output of its own, never a converted
-or trained model that another command wrote (`other_commands_output`).
+command that names itself (evaluate, ruler, demo, adapt, merge, export-builtin) replaces only an earlier output of
+its own, never a converted or trained model that another command wrote (`other_commands_output`).
 
 A replacement is written into a hidden temporary folder beside the old one and swapped in only when complete
 (`AtomicOutputFolder`), so a run that fails leaves the old contents as they were. A killed run leaves that hidden
@@ -440,13 +440,12 @@ class AtomicOutputFolder:
 
     A killed process leaves at most a hidden `.NAME.partial-*` folder, never a half-written `output`; the next one
     writing `output` removes it. `output` must be new or empty, or, with `overwrite`, a folder diff-llama may replace.
-    `offers_overwrite=False`: the command has no --overwrite, so the refusal of a folder with files does not offer it.
+    With `command`, the folder gets its marker, recording what it holds (`record_written_files`).
     """
 
-    def __init__(self, output: str | os.PathLike, overwrite: bool = False, *, offers_overwrite: bool = True,
-                 inputs=(), command: str | None = None):
+    def __init__(self, output: str | os.PathLike, overwrite: bool = False, *, inputs=(), command: str | None = None):
         remove_stale_temporaries(output)  # first: it may put back an output that an interrupted swap moved aside
-        self.overwrite, self.offers_overwrite, self.inputs, self.command = overwrite, offers_overwrite, inputs, command
+        self.overwrite, self.inputs, self.command = overwrite, inputs, command
         self._check(output)
         self.output = Path(output).absolute()
         self.path = None
@@ -455,8 +454,7 @@ class AtomicOutputFolder:
 
     def _check(self, output) -> None:
         """Refuse `output` unless it is new, empty, or (with `overwrite`) a folder this command may replace."""
-        check_new_output(output, overwrite=self.overwrite, offers_overwrite=self.offers_overwrite, inputs=self.inputs,
-                         command=self.command)
+        check_new_output(output, overwrite=self.overwrite, inputs=self.inputs, command=self.command)
         if Path(output).exists():  # even an empty folder is replaced: never the working directory or a folder above
             refusal = replace_refusal(output, self.inputs, self.command)
             if refusal is not None:

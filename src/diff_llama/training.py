@@ -400,12 +400,12 @@ def save_trained(model, tokenizer, output_dir: str | Path, merge: bool):
     return model
 
 
-def merge_adapter_folder(adapter: str | os.PathLike, output: str | os.PathLike) -> None:
+def merge_adapter_folder(adapter: str | os.PathLike, output: str | os.PathLike, overwrite: bool = False) -> None:
     """`diff-llama merge`: the LoRA adapter folder `adapter` (what `train --lora` writes) merged into its base model,
     λ included, and saved in `output` as one plain model folder with what `train --lora --merge` writes beside the
     weights: the tokenizer, the licence texts, the run's training report and the model card. The weights keep the
     base's dtype (train's own merge is of a float32 model). For what takes a whole model folder (vLLM, SGLang, push,
-    export-builtin)."""
+    export-builtin). With `overwrite`, an earlier merge's output there is replaced once the new one is complete."""
     from .output_folder import AtomicOutputFolder, give_weights_the_usual_permissions
     from .resolve import (adapter_base, copy_license_files, find_model, load_causal_lm, load_tokenizer,
                           release_gguf_quantizer, save_tokenizer)
@@ -414,8 +414,9 @@ def merge_adapter_folder(adapter: str | os.PathLike, output: str | os.PathLike) 
     if not location.is_adapter:
         raise UserError(f"{adapter} is a whole model already (it has no adapter_config.json), so there is nothing to "
                         "merge: use it as it is.")
-    # New or empty; never the adapter, its base or a folder inside either. Checked before the models load.
-    target = AtomicOutputFolder(output, offers_overwrite=False, inputs=[adapter, adapter_base(location)])
+    # New, empty or (with `overwrite`) an earlier merge's; never the adapter, its base or a folder inside either.
+    # Checked before the models load.
+    target = AtomicOutputFolder(output, overwrite=overwrite, inputs=[adapter, adapter_base(location)], command="merge")
     model = load_causal_lm(adapter, dtype="auto")
     release_gguf_quantizer(model)  # a GGUF base's weights, dequantized as it loaded, save like any others
     tokenizer = load_tokenizer(adapter)

@@ -54,9 +54,9 @@ COMMANDS: dict[str, Command] = {
     ),
     "merge": Command(
         "merge a LoRA adapter folder (diff-llama train --lora) into its base model: one plain model folder",
-        "merge", (),
+        "merge", (o.ReplaceOutputOptions,),
         (("adapter", "folder written by diff-llama train --lora (adapter_config.json names its base model)"),
-         ("output", "folder to write: new or empty")),
+         ("output", "folder to write: new or empty (or, with --overwrite, an earlier merge's)")),
         "Load ADAPTER's base model, merge the adapter into it (λ included) and save the result in OUTPUT as one plain "
         "model folder: the weights in the base's dtype, with the tokenizer, the licence texts, the training report "
         "and the model card, as train --lora --merge writes them. For what takes a whole model: serve --engine vllm or "
@@ -134,8 +134,9 @@ COMMANDS: dict[str, Command] = {
     ),
     "export-builtin": Command(
         "save a DiffLlama for transformers' built-in DiffLlamaForCausalLM (even KV heads only)",
-        "export_builtin", (),
-        (("source", "folder of a diff-llama checkpoint"), ("output", "folder to write: new or empty")),
+        "export_builtin", (o.ReplaceOutputOptions,),
+        (("source", "folder of a diff-llama checkpoint"),
+         ("output", "folder to write: new or empty (or, with --overwrite, an earlier export's)")),
     ),
     "demo": Command(
         "train a small fresh DiffLlama on offline text, save, reload and generate (minutes on a 2-core CPU; fewer "
