@@ -98,7 +98,7 @@ def test_lambda_gets_its_own_learning_rate_and_no_weight_decay():
     assert rest["lr"] == 1e-4 and not lambda_ids & {id(p) for p in rest["params"]}
 
 
-def test_train_command_checkpoints_resumes_and_plots(tmp_path, saved_model):
+def test_train_command_checkpoints_resumes_and_plots(tmp_path, saved_model, capsys):
     data = tmp_path / "data"
     data.mkdir()
     (data / "a.txt").write_text(SAMPLE_TEXT)
@@ -130,6 +130,10 @@ def test_train_command_checkpoints_resumes_and_plots(tmp_path, saved_model):
     assert f", {[e for e in history if 'loss' in e][-1]['loss']:.3f} at the last." in card
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert reloaded.get_lambdas().shape == (reloaded.config.num_hidden_layers,)
+    capsys.readouterr()
+    assert main(["push", str(out), "alice/x", "--dry-run"]) == 0  # every file is train's: push names none as the user's
+    listed = capsys.readouterr()
+    assert listed.err == "" and {"training_args.bin", "training_log.json", "model.safetensors"} <= set(listed.out.split())
 
 
 @pytest.mark.parametrize("autocast,computes_in", [("bfloat16", torch.bfloat16), ("none", torch.float32)])

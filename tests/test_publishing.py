@@ -107,6 +107,49 @@ def test_push_refuses_a_folder_that_would_not_load_from_the_hub(tmp_path, conver
         assert hub.repos == {}
 
 
+def test_push_names_the_users_own_files_and_exclude_leaves_them_out(converted, online, capsys):
+    """What a command or save_pretrained wrote goes up unnamed; a file of the user's goes up too (as hf upload does)
+    but is named first, and --exclude leaves it out. A pattern that matches nothing (a typo would publish the very
+    file it meant to keep back) or that takes what the model needs to load is refused before anything is sent."""
+    (converted / "training_log.json").write_text("[]")  # train's report: ours
+    capsys.readouterr()
+    assert main(["push", str(converted), "alice/x", "--dry-run"]) == 0
+    assert capsys.readouterr().err == ""
+    (converted / "notes.txt").write_text("not for the Hub")
+    (converted / "drafts").mkdir()
+    (converted / "drafts" / "card.md").write_text("draft")
+    assert main(["push", str(converted), "alice/x", "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    assert {"notes.txt", "drafts/card.md"} <= set(captured.out.split())
+    assert captured.err == ("note: push uploads 2 files that neither diff-llama nor save_pretrained writes: "
+                            "drafts/card.md, notes.txt (--exclude PATTERN leaves files out).\n")
+    exclude = ["--exclude", "notes.txt", "drafts/*"]
+    assert main(["push", str(converted), "alice/x", "--dry-run", *exclude]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and "notes.txt" not in captured.out and "drafts/card.md" not in captured.out
+    with FakeHub() as hub:
+        push(converted, "alice/x", token="hf_fake", endpoint=hub.endpoint, exclude=exclude[1:])
+        uploaded = sorted(hub.repos["alice/x"]["files"])
+    assert uploaded == captured.out.split() and "training_log.json" in uploaded
+    with FakeHub() as hub:  # no card at all, neither the folder's nor one built for the repository
+        push(converted, "alice/x", token="hf_fake", endpoint=hub.endpoint, exclude=["README.md"])
+        assert "README.md" not in hub.repos["alice/x"]["files"]
+
+    for pattern, says in [("note.txt", "--exclude 'note.txt' matches no file that push would upload from"),
+                          ("*.py", "--exclude '*.py' would leave out compat_diff_llama.py, configuration_diff_llama.py, "
+                                   "differential_kernels.py and 3 more, which the model needs to load from the Hub")]:
+        with FakeHub() as hub:
+            for dry_run in (["--dry-run"], []):
+                assert main(["push", str(converted), "alice/x", "--token", "hf_fake", "--exclude", pattern,
+                             *dry_run]) == 2
+                captured = capsys.readouterr()
+                assert captured.out == "" and captured.err.startswith(f"diff-llama push: error: {says}"), captured.err
+                assert "nothing was uploaded" in captured.err and captured.err.count("\n") == 1
+            with pytest.raises(UserError, match="--exclude"):
+                push(converted, "alice/x", token="hf_fake", endpoint=hub.endpoint, exclude=[pattern])
+            assert hub.repos == {}
+
+
 def test_the_dry_run_lists_what_push_writes_for_a_folder_without_a_readme(converted, online, capsys):
     (converted / "README.md").unlink()
     assert main(["push", str(converted), "alice/x", "--dry-run"]) == 0

@@ -157,14 +157,22 @@ def serve(model, engine_args, options: o.ServeOptions) -> int:
 
 
 def push(model, repo_id, options: o.PushOptions) -> int:
-    from .publishing import check_publishable, check_repo_id, files_to_upload, push
+    from .output_folder import first_names
+    from .publishing import check_publishable, check_repo_id, files_diff_llama_did_not_write, files_to_upload, push
 
     check_repo_id(repo_id)
     check_publishable(model)
+    paths = files_to_upload(model, options.keep_card, options.exclude)
+    yours = files_diff_llama_did_not_write(paths)
+    if yours:  # on stderr: the dry run's standard output stays the list of paths
+        count = f"{len(yours)} file{'s' if len(yours) > 1 else ''}"
+        print(f"note: push uploads {count} that neither diff-llama nor save_pretrained writes: {first_names(yours)} "
+              "(--exclude PATTERN leaves files out).", file=sys.stderr)
     if options.dry_run:
-        print("\n".join(files_to_upload(model, options.keep_card)))
+        print("\n".join(paths))
         return 0
-    url = push(model, repo_id, private=options.private, token=options.token, keep_card=options.keep_card)
+    url = push(model, repo_id, private=options.private, token=options.token, keep_card=options.keep_card,
+               exclude=options.exclude)
     print(f"Uploaded: {url}")
     return 0
 

@@ -143,6 +143,11 @@ def _carries_our_sign(folder: Path) -> bool:
         return False
 
 
+def is_project_file_name(name: str) -> bool:
+    """Whether a command writes a file of this name at the top of an output folder (`PROJECT_FILES`, licences)."""
+    return is_license_file(name) or any(fnmatch.fnmatchcase(name, pattern) for pattern in PROJECT_FILES)
+
+
 def _is_project_entry(entry: Path, command: str | None) -> bool:
     """Whether a command writes `entry` of an output folder: a file of `PROJECT_FILES`, or a subfolder of
     `PROJECT_FOLDERS` that `command` (None: a command not known) writes, that carries its sign and holds only what
@@ -150,7 +155,7 @@ def _is_project_entry(entry: Path, command: str | None) -> bool:
     if entry.is_symlink():
         return False
     if entry.is_file():
-        return is_license_file(entry.name) or any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in PROJECT_FILES)
+        return is_project_file_name(entry.name)
     for name, (sign, contents, writers) in PROJECT_FOLDERS.items():
         if writers is not None and command not in writers:
             continue
@@ -227,6 +232,12 @@ def other_commands_output(folder: Path, command: str) -> str | None:
     return None
 
 
+def first_names(names: list[str], shown: int = 3) -> str:
+    """The first `shown` names and how many more: short enough for a one-line error."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 def replace_refusal(path: str | os.PathLike, inputs=(), command: str | None = None) -> str | None:
     """Why the folder `path` may not be replaced (one clause naming the fix), or None when it may. `inputs`: what the
     command reads; `command`: the command replacing it, when it may replace only its own earlier output."""
@@ -241,15 +252,13 @@ def replace_refusal(path: str | os.PathLike, inputs=(), command: str | None = No
         return None
     foreign = foreign_entries(path, command)
     if foreign:
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        return (f"{path} holds files diff-llama did not write ({shown}), which --overwrite never replaces; choose a "
-                "new folder, or move them out")
+        return (f"{path} holds files diff-llama did not write ({first_names(foreign)}), which --overwrite never "
+                "replaces; choose a new folder, or move them out")
     changed = changed_since_written(path)
     if changed:
-        shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
-        return (f"{path} holds files written again since diff-llama made the folder ({shown}: their size or time is "
-                "not the one it recorded, as after an edit, or a copy that did not keep file times), which --overwrite "
-                "never replaces; choose a new folder, or move them out")
+        return (f"{path} holds files written again since diff-llama made the folder ({first_names(changed)}: their "
+                "size or time is not the one it recorded, as after an edit, or a copy that did not keep file times), "
+                "which --overwrite never replaces; choose a new folder, or move them out")
     other = other_commands_output(path, command) if command is not None else None
     if other is not None:
         return (f"{path} holds {other}, which {command} --overwrite never replaces (it replaces only an earlier "

@@ -4,16 +4,25 @@
 """
 
 import contextlib
+import fnmatch
 import json
 from pathlib import Path
 
 from .configuration_diff_llama import REMOTE_CODE_FILES
+from .conversion.source import CHAT_TEMPLATES_FOLDER
 from .errors import UserError
 from .model_card import build_model_card
+from .output_folder import first_names, is_project_file_name
 from .resolve import adapter_refusal, check_weights, is_adapter_folder, resolve_model
 
 # Training leftovers that do not belong in a published model.
 IGNORE_PATTERNS = ["checkpoint-*", "checkpoint-*/**", ".*", "**/.*", "runs/**", "__pycache__/**", "*.pyc"]
+# What train (the Trainer's arguments, reports, plots) and recover add to a model folder; with what the other commands
+# write (`is_project_file_name`), the files push publishes without naming them first.
+TRAINING_FILES = ("training_args.bin", "training_log.json", "training_loss.png", "differential_attention.png",
+                  "recovery_report.json", "recovery_curve.png")
+# What a model folder needs to load from the Hub, which no --exclude may leave out.
+NEEDED_TO_LOAD = ("config.json", "*.safetensors", "model.safetensors.index.json", *REMOTE_CODE_FILES)
 
 
 def check_publishable(folder: str | Path) -> dict:
@@ -45,16 +54,38 @@ def check_publishable(folder: str | Path) -> dict:
     return config
 
 
-def files_to_upload(folder: str | Path, keep_card: bool = False) -> list[str]:
+def files_to_upload(folder: str | Path, keep_card: bool = False, exclude: list[str] | tuple = ()) -> list[str]:
     """The paths in the repository that `push` writes (sorted): the folder's files, relative to it, and README.md,
-    which is the model card built for the repository unless `keep_card` (then the folder's own, if it has one)."""
+    which is the model card built for the repository unless `keep_card` (then the folder's own, if it has one).
+    `exclude`: glob patterns of paths (relative to the folder, as `hf upload --exclude`) to leave out; a pattern that
+    matches nothing, or one that would leave out what the model needs to load, is refused, since a mistyped one would
+    publish the very file it was meant to keep back."""
     from huggingface_hub.utils import filter_repo_objects
 
     folder = Path(folder)
     paths = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
     if not keep_card:
         paths.add("README.md")
-    return sorted(filter_repo_objects(paths, ignore_patterns=IGNORE_PATTERNS))
+    published = set(filter_repo_objects(paths, ignore_patterns=IGNORE_PATTERNS))
+    for pattern in exclude:
+        left_out = published - set(filter_repo_objects(published, ignore_patterns=[pattern]))
+        if not left_out:
+            raise UserError(f"--exclude {pattern!r} matches no file that push would upload from {folder}, and "
+                            "nothing was uploaded; patterns match paths relative to the folder (e.g. notes.txt, "
+                            "'*.log', 'drafts/*'): push --dry-run lists them.")
+        needed = sorted(path for path in left_out if any(fnmatch.fnmatchcase(path, name) for name in NEEDED_TO_LOAD))
+        if needed:
+            raise UserError(f"--exclude {pattern!r} would leave out {first_names(needed)}, which the model needs to "
+                            "load from the Hub, and nothing was uploaded; give a narrower pattern.")
+        published -= left_out
+    return sorted(published)
+
+
+def files_diff_llama_did_not_write(paths: list[str]) -> list[str]:
+    """Of the paths push uploads, those no diff-llama command or save_pretrained writes: the user's own files, which
+    push publishes too (as `hf upload` does) but names first."""
+    return [path for path in paths if not ("/" not in path and (is_project_file_name(path) or path in TRAINING_FILES)
+                                           or fnmatch.fnmatchcase(path, f"{CHAT_TEMPLATES_FOLDER}/*.jinja"))]
 
 
 def check_repo_id(repo_id: str) -> None:
@@ -82,8 +113,10 @@ def require_hub(repo_id: str, endpoint: str | None = None) -> None:
 
 
 def push(folder: str | Path, repo_id: str, *, private: bool = False, token: str | None = None,
-         keep_card: bool = False, commit_message: str = "Upload DiffLlama model", endpoint: str | None = None) -> str:
-    """Create `repo_id` if needed and upload the folder (see `files_to_upload`) in one commit; returns its URL.
+         keep_card: bool = False, exclude: list[str] | tuple = (), commit_message: str = "Upload DiffLlama model",
+         endpoint: str | None = None) -> str:
+    """Create `repo_id` if needed and upload the folder (see `files_to_upload`, which `exclude` is passed to) in one
+    commit; returns its URL.
 
     The README.md uploaded is a model card built for `repo_id` from the folder's reports (the folder itself is not
     changed); `keep_card` uploads the folder's own README.md instead. `endpoint` overrides the Hub address.
@@ -93,10 +126,10 @@ def push(folder: str | Path, repo_id: str, *, private: bool = False, token: str 
     folder = Path(folder)
     check_repo_id(repo_id)
     check_publishable(folder)
+    paths = files_to_upload(folder, keep_card, exclude)
     require_hub(repo_id, endpoint)  # before the repository is created: nothing is left half-made
-    paths = files_to_upload(folder, keep_card)
     operations = [CommitOperationAdd(path, str(folder / path)) for path in paths if keep_card or path != "README.md"]
-    if not keep_card:
+    if not keep_card and "README.md" in paths:  # not when --exclude README.md leaves the card out
         card = str(build_model_card(folder, repo_id=repo_id)).encode()
         operations.append(CommitOperationAdd("README.md", card))
     api = HfApi(endpoint=endpoint, token=token)

@@ -130,7 +130,8 @@ COMMANDS: dict[str, Command] = {
         "Create REPO_ID if needed and upload MODEL in one commit: safetensors weights, config with auto_map, the "
         "modeling code (so it loads with trust_remote_code=True), tokenizer files, reports and a model card built for "
         "REPO_ID (metadata: library_name, base_model, tags, measured perplexity). Training checkpoints are left out. "
-        "--dry-run lists the files without uploading. Log in first (hf auth login) or pass --token.",
+        "Any other file in MODEL is uploaded too, and named first: --exclude leaves it out. --dry-run lists the files "
+        "without uploading. Log in first (hf auth login) or pass --token.",
     ),
     "export-builtin": Command(
         "save a DiffLlama for transformers' built-in DiffLlamaForCausalLM (even KV heads only)",
