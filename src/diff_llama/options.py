@@ -266,7 +266,7 @@ class PushOptions:
     token: str | None = field(default=None, metadata={"help": "Hub token (default: the logged-in one)"})
     keep_card: bool = field(default=False, metadata={"help": "upload MODEL/README.md as it is"})
     dry_run: bool = field(default=False, metadata={"help": "list what would be uploaded and stop"})
-    exclude: list[str] = field(default_factory=list, metadata={"help": (
+    exclude: list[str] | None = field(default=None, metadata={"metavar": "PATTERN", "help": (
         "leave out the files matching these patterns, relative to MODEL (e.g. notes.txt '*.log' 'drafts/*'); push "
         "names the files of yours it would upload")})
 

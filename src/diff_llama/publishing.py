@@ -54,7 +54,7 @@ def check_publishable(folder: str | Path) -> dict:
     return config
 
 
-def files_to_upload(folder: str | Path, keep_card: bool = False, exclude: list[str] | tuple = ()) -> list[str]:
+def files_to_upload(folder: str | Path, keep_card: bool = False, exclude: list[str] | tuple | None = ()) -> list[str]:
     """The paths in the repository that `push` writes (sorted): the folder's files, relative to it, and README.md,
     which is the model card built for the repository unless `keep_card` (then the folder's own, if it has one).
     `exclude`: glob patterns of paths (relative to the folder, as `hf upload --exclude`) to leave out; a pattern that
@@ -67,7 +67,7 @@ def files_to_upload(folder: str | Path, keep_card: bool = False, exclude: list[s
     if not keep_card:
         paths.add("README.md")
     published = set(filter_repo_objects(paths, ignore_patterns=IGNORE_PATTERNS))
-    for pattern in exclude:
+    for pattern in exclude or ():
         left_out = published - set(filter_repo_objects(published, ignore_patterns=[pattern]))
         if not left_out:
             raise UserError(f"--exclude {pattern!r} matches no file that push would upload from {folder}, and "
@@ -113,7 +113,7 @@ def require_hub(repo_id: str, endpoint: str | None = None) -> None:
 
 
 def push(folder: str | Path, repo_id: str, *, private: bool = False, token: str | None = None,
-         keep_card: bool = False, exclude: list[str] | tuple = (), commit_message: str = "Upload DiffLlama model",
+         keep_card: bool = False, exclude: list[str] | tuple | None = (), commit_message: str = "Upload DiffLlama model",
          endpoint: str | None = None) -> str:
     """Create `repo_id` if needed and upload the folder (see `files_to_upload`, which `exclude` is passed to) in one
     commit; returns its URL.
