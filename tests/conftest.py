@@ -16,9 +16,13 @@ import diff_llama  # noqa: E402,F401  (registers the Auto classes)
 from diff_llama import DiffLlamaConfig, DiffLlamaForCausalLM  # noqa: E402
 
 # Two threads at most: the tiny models gain nothing from more. Under pytest-xdist the workers share the cores, so
-# each takes its share (two workers on two cores: one thread each, not two fighting over every core).
+# each takes its share (two workers on two cores: one thread each, not two fighting over every core), and so do the
+# processes the tests start (servers, fresh Pythons, the benchmark's dry runs): OpenMP threads that outnumber the
+# cores spin at barriers and slow the test running beside them.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
+_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+torch.set_num_threads(_THREADS)
+os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
 SAMPLE_TEXT = (
     "The differential transformer subtracts one softmax attention map from another to cancel attention noise. "

@@ -432,3 +432,35 @@ def test_a_transformers_that_cannot_read_ggufs_version_is_named_with_the_fix(tmp
         err = _fails_in_one_line(capsys, command)
         assert "cannot read the installed gguf's version" in err and 'pip install -U "transformers>=5.23"' in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_commands_called_from_python_give_the_callers_thread_count_back(tmp_path, monkeypatch):
+    """evaluate, ruler, adapt and recover take --threads for the command's run only: torch's count is global to the
+    process, and a notebook (or a test worker sharing the cores) calling them would otherwise keep it."""
+    import torch
+
+    from diff_llama.adaptation import AdaptationOptions, adapt
+    from diff_llama.options import RecoveryOptions, RetrievalArguments, RulerOptions
+    from diff_llama.recovery import recover
+    from diff_llama.retrieval import evaluate
+    from diff_llama.retrieval.ruler import ruler_models
+
+    seen = []
+
+    def record_and_stop(name):
+        seen.append(torch.get_num_threads())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(evaluate, "display_name", record_and_stop)
+    callers = torch.get_num_threads()
+    missing = str(tmp_path / "no-such-model")
+    calls = [lambda: evaluate.evaluate_models([missing], RetrievalArguments(threads=3)),  # stopped while running
+             lambda: ruler_models([missing, missing], RulerOptions(names=["one"], threads=3)),
+             lambda: adapt(None, None, AdaptationOptions(threads=3, resume=True)),  # resume with no output folder
+             lambda: recover(missing, RecoveryOptions(output=str(tmp_path / "out"), threads=3))]
+    for call in calls:
+        with pytest.raises((KeyboardInterrupt, ValueError, FileNotFoundError)):
+            call()
+        assert torch.get_num_threads() == callers
+    assert seen == [3]  # the command's own count while it runs
+    assert not (tmp_path / "out").exists()

@@ -158,11 +158,9 @@ def serve(model, engine_args, options: o.ServeOptions) -> int:
 
 def push(model, repo_id, options: o.PushOptions) -> int:
     from .output_folder import first_names
-    from .publishing import check_publishable, check_repo_id, files_diff_llama_did_not_write, files_to_upload, push
+    from .publishing import files_diff_llama_did_not_write, plan_push, upload
 
-    check_repo_id(repo_id)
-    check_publishable(model)
-    paths = files_to_upload(model, options.keep_card, options.exclude)
+    paths = plan_push(model, repo_id, options.keep_card, options.exclude or ())
     yours = files_diff_llama_did_not_write(paths)
     if yours:  # on stderr: the dry run's standard output stays the list of paths
         count = f"{len(yours)} file{'s' if len(yours) > 1 else ''}"
@@ -171,8 +169,7 @@ def push(model, repo_id, options: o.PushOptions) -> int:
     if options.dry_run:
         print("\n".join(paths))
         return 0
-    url = push(model, repo_id, private=options.private, token=options.token, keep_card=options.keep_card,
-               exclude=options.exclude)
+    url = upload(model, repo_id, paths, private=options.private, token=options.token, keep_card=options.keep_card)
     print(f"Uploaded: {url}")
     return 0
 

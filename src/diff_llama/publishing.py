@@ -6,6 +6,7 @@
 import contextlib
 import fnmatch
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from .configuration_diff_llama import REMOTE_CODE_FILES
@@ -54,7 +55,7 @@ def check_publishable(folder: str | Path) -> dict:
     return config
 
 
-def files_to_upload(folder: str | Path, keep_card: bool = False, exclude: list[str] | tuple | None = ()) -> list[str]:
+def files_to_upload(folder: str | Path, keep_card: bool = False, exclude: Iterable[str] = ()) -> list[str]:
     """The paths in the repository that `push` writes (sorted): the folder's files, relative to it, and README.md,
     which is the model card built for the repository unless `keep_card` (then the folder's own, if it has one).
     `exclude`: glob patterns of paths (relative to the folder, as `hf upload --exclude`) to leave out; a pattern that
@@ -67,7 +68,7 @@ def files_to_upload(folder: str | Path, keep_card: bool = False, exclude: list[s
     if not keep_card:
         paths.add("README.md")
     published = set(filter_repo_objects(paths, ignore_patterns=IGNORE_PATTERNS))
-    for pattern in exclude or ():
+    for pattern in exclude:
         left_out = published - set(filter_repo_objects(published, ignore_patterns=[pattern]))
         if not left_out:
             raise UserError(f"--exclude {pattern!r} matches no file that push would upload from {folder}, and "
@@ -81,11 +82,17 @@ def files_to_upload(folder: str | Path, keep_card: bool = False, exclude: list[s
     return sorted(published)
 
 
+def written_by_diff_llama(path: str) -> bool:
+    """Whether a diff-llama command or save_pretrained writes this path of a model folder."""
+    if "/" in path:
+        return fnmatch.fnmatchcase(path, f"{CHAT_TEMPLATES_FOLDER}/*.jinja")
+    return is_project_file_name(path) or path in TRAINING_FILES
+
+
 def files_diff_llama_did_not_write(paths: list[str]) -> list[str]:
-    """Of the paths push uploads, those no diff-llama command or save_pretrained writes: the user's own files, which
-    push publishes too (as `hf upload` does) but names first."""
-    return [path for path in paths if not ("/" not in path and (is_project_file_name(path) or path in TRAINING_FILES)
-                                           or fnmatch.fnmatchcase(path, f"{CHAT_TEMPLATES_FOLDER}/*.jinja"))]
+    """Of the paths push uploads, the user's own files, which push publishes too (as `hf upload` does) but names
+    first."""
+    return [path for path in paths if not written_by_diff_llama(path)]
 
 
 def check_repo_id(repo_id: str) -> None:
@@ -112,8 +119,17 @@ def require_hub(repo_id: str, endpoint: str | None = None) -> None:
                                   "push again (push --dry-run lists what it would upload, without the Hub).")
 
 
+def plan_push(folder: str | Path, repo_id: str, keep_card: bool = False, exclude: Iterable[str] = ()) -> list[str]:
+    """Everything push checks before it asks the Hub (the repository id, that the folder loads from the Hub, the
+    --exclude patterns), in one line naming the fix where a check fails; returns the paths it would upload
+    (`files_to_upload`), which `push --dry-run` prints."""
+    check_repo_id(repo_id)
+    check_publishable(folder)
+    return files_to_upload(folder, keep_card, exclude)
+
+
 def push(folder: str | Path, repo_id: str, *, private: bool = False, token: str | None = None,
-         keep_card: bool = False, exclude: list[str] | tuple | None = (), commit_message: str = "Upload DiffLlama model",
+         keep_card: bool = False, exclude: Iterable[str] = (), commit_message: str = "Upload DiffLlama model",
          endpoint: str | None = None) -> str:
     """Create `repo_id` if needed and upload the folder (see `files_to_upload`, which `exclude` is passed to) in one
     commit; returns its URL.
@@ -121,12 +137,17 @@ def push(folder: str | Path, repo_id: str, *, private: bool = False, token: str 
     The README.md uploaded is a model card built for `repo_id` from the folder's reports (the folder itself is not
     changed); `keep_card` uploads the folder's own README.md instead. `endpoint` overrides the Hub address.
     """
+    paths = plan_push(folder, repo_id, keep_card, exclude)
+    return upload(folder, repo_id, paths, private=private, token=token, keep_card=keep_card,
+                  commit_message=commit_message, endpoint=endpoint)
+
+
+def upload(folder: str | Path, repo_id: str, paths: list[str], *, private: bool = False, token: str | None = None,
+           keep_card: bool = False, commit_message: str = "Upload DiffLlama model", endpoint: str | None = None) -> str:
+    """`push` once `plan_push` has checked the folder and listed `paths`: one commit of them; returns its URL."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
     folder = Path(folder)
-    check_repo_id(repo_id)
-    check_publishable(folder)
-    paths = files_to_upload(folder, keep_card, exclude)
     require_hub(repo_id, endpoint)  # before the repository is created: nothing is left half-made
     operations = [CommitOperationAdd(path, str(folder / path)) for path in paths if keep_card or path != "README.md"]
     if not keep_card and "README.md" in paths:  # not when --exclude README.md leaves the card out

@@ -20,6 +20,7 @@ from transformers import Trainer, TrainerCallback
 
 from .errors import UserError
 from .options import RecoveryOptions
+from .resolve import uses_cpu_threads
 from .model_card import write_model_card
 from .training import (
     RunRecordInCheckpoints,
@@ -236,6 +237,7 @@ def plot_recovery(curve: list[dict], source_perplexity: float, output: str | Pat
     return save_png(fig, output, rect=(0, 0.06, 1, 1))
 
 
+@uses_cpu_threads
 def recover(model_path: str, options: RecoveryOptions) -> dict:
     """Distil the source LLaMA into the converted model at `model_path`; writes the recovered model (merged, with
     LoRA), its tokenizer, `recovery_report.json`, `recovery_curve.png` and a model card into `options.output`.
@@ -255,8 +257,6 @@ def recover(model_path: str, options: RecoveryOptions) -> dict:
 
     from .resolve import ModelNotFoundError, find_model, load_config
 
-    if options.threads:
-        torch.set_num_threads(options.threads)
     output_dir = Path(options.output)
     # A mistyped MODEL is named as such, not as a model without its source; its weights are read (and checked) later.
     find_model(model_path, tokenizer=True, weights=False, adapters=True)

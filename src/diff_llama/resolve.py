@@ -7,6 +7,8 @@ when the Hub cannot be asked, it loads from the cache, offline, or fails in one 
 """
 
 import contextlib
+import functools
+import inspect
 import os
 import shlex
 import shutil
@@ -338,6 +340,28 @@ def accelerator():
     if hasattr(torch, "accelerator"):
         return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     return torch.device("cuda") if torch.cuda.is_available() else None
+
+
+def uses_cpu_threads(function):
+    """Run `function` on `options.threads` CPU threads (0 or None: torch's), the argument named `options`, and give
+    the caller's count back after: torch's count is global to the process, so a Python caller (a notebook, a test
+    worker sharing the cores) would otherwise keep the command's."""
+    signature = inspect.signature(function)
+
+    @functools.wraps(function)
+    def with_its_threads(*args, **kwargs):
+        import torch
+
+        threads = signature.bind(*args, **kwargs).arguments["options"].threads
+        callers = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.set_num_threads(callers)
+
+    return with_its_threads
 
 
 def resolve_device(name: str) -> str:

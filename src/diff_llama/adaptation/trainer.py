@@ -16,6 +16,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ..errors import UserError
+from ..resolve import uses_cpu_threads
 from .examples import AdaptationStream, collate_one
 from .losses import answer_loss, text_loss
 from .plots import write_history
@@ -146,6 +147,7 @@ class AdaptationMonitor(TrainerCallback):
         self._since = time.perf_counter()  # the time spent saving is not training time
 
 
+@uses_cpu_threads
 def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | None = None, name: str = "model") -> dict:
     """Train `model` in place with the recipe (see `diff_llama.adaptation`); returns the history (and writes
     adapt.json/png to `output`, and checkpoints every `save_steps` steps, from which `options.resume` continues)."""
@@ -153,8 +155,6 @@ def adapt(model, tokenizer, options: AdaptationOptions, output: str | Path | Non
 
     from ..training import TokenizerInCheckpoints, optimizer_for, resume_checkpoint
 
-    if options.threads > 0:
-        torch.set_num_threads(options.threads)
     check_options(options)
     if options.resume and output is None:
         raise UserError("resume needs the output folder that holds the run's checkpoint-N folders")

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from ..errors import Interrupted, UserError
 from ..options import RetrievalArguments, option_defaults
+from ..resolve import uses_cpu_threads
 from .cases import make_cases
 from .report import markdown_report, write_report
 from .scoring import map_kind, run_cases
@@ -188,6 +189,7 @@ def scoring_interrupted(progress_file: Path, resumable: bool, output: Path) -> I
     return Interrupted(f"{output} is left as it was")
 
 
+@uses_cpu_threads
 def evaluate_models(models: list[str], options: RetrievalArguments, overwrite: bool = False) -> dict:
     """Evaluate every model (folder, .gguf, Hub id or 'smollm2') in turn; write and return the report.
 
@@ -195,8 +197,6 @@ def evaluate_models(models: list[str], options: RetrievalArguments, overwrite: b
     evaluation of the same models with the same options, which this one resumes: the cases already in its
     cases.jsonl are kept, not scored again. With `overwrite`, an earlier run's folder is replaced instead: the new
     report is written beside it and replaces it when complete."""
-    if options.threads > 0:
-        torch.set_num_threads(options.threads)
     names = options.names or [display_name(m) for m in models]
     if len(names) != len(models):
         raise UserError(f"{len(names)} names for {len(models)} models; give one --names label per model.")

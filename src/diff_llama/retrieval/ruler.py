@@ -20,6 +20,7 @@ import torch
 
 from ..errors import UserError
 from ..options import RulerOptions
+from ..resolve import uses_cpu_threads
 from .evaluate import (
     display_name,
     interrupted_run,
@@ -174,12 +175,11 @@ def _case_contents(models: list[str], options: RulerOptions) -> dict:
                               options.seed)
 
 
+@uses_cpu_threads
 def ruler_models(models: list[str], options: RulerOptions, overwrite: bool = False) -> dict:
     """Build (or read) the cases, score every model on them in turn, and write ruler_cases.json, cases.jsonl,
     ruler.json and ruler.md into `options.output`; with `cases_only`, write ruler_cases.json alone. An interrupted
     run in `options.output` with the same models and options resumes, like `evaluate`'s."""
-    if options.threads > 0:
-        torch.set_num_threads(options.threads)
     names = options.names or [display_name(m) for m in models]
     if len(names) != len(models):
         raise UserError(f"{len(names)} names for {len(models)} models; give one --names label per model.")
