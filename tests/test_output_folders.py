@@ -282,8 +282,22 @@ def test_a_report_or_a_run_never_replaces_a_model_another_command_wrote(tmp_path
         argv = [a.format(model=model_dir, out=out) for a in OVERWRITE_COMMANDS[command]]
         err = _fails_in_one_line(capsys, [*argv, "--overwrite"])
         assert what in err and f"{command} --overwrite never replaces" in err and "choose a new folder" in err, err
+        assert "delete it yourself" not in err, err  # its marker says which command wrote it
         assert "--overwrite" not in _fails_in_one_line(capsys, argv)
         assert folder_checksum(out) == before
+
+
+def test_a_model_with_no_record_is_refused_with_the_way_out_for_an_older_output(tmp_path, model_dir, capsys):
+    """A model folder without a marker (from elsewhere, or an export-builtin output of a diff-llama that wrote none)
+    is not replaced, and the refusal says so, offering what to do if it is the user's own older output."""
+    old = tmp_path / "old-export"
+    assert main(["export-builtin", str(model_dir), str(old)]) == 0
+    (old / ".diff-llama-output").unlink()
+    before = folder_checksum(old)
+    err = _fails_in_one_line(capsys, ["export-builtin", str(model_dir), str(old), "--overwrite"])
+    assert "holds a model with no record of the command that wrote it" in err, err
+    assert "delete it yourself if it is an earlier export-builtin output" in err, err
+    assert folder_checksum(old) == before
 
 
 INSIDE_AN_INPUT = {

@@ -228,7 +228,8 @@ def other_commands_output(folder: Path, command: str) -> str | None:
     if command == "convert" and (folder / "conversion_report.json").is_file():
         return None  # a conversion's own report, and no marker of a command that trained it since
     if (folder / "config.json").is_file() or (folder / "conversion_report.json").is_file():
-        return "a model"
+        # No marker: a model from elsewhere, or an output of an older diff-llama, which wrote none.
+        return "a model" if written_by else "a model with no record of the command that wrote it"
     return None
 
 
@@ -251,6 +252,11 @@ def replace_refusal(path: str | os.PathLike, inputs=(), command: str | None = No
     if not path.is_dir():
         return None
     foreign = foreign_entries(path, command)
+    unrecorded = "" if read_marker(path) else (f", or delete it yourself if it is an earlier {command or 'diff-llama'} "
+                                               "output that an older diff-llama wrote without a record")
+    if foreign and (path / "config.json").is_file() and unrecorded:
+        return (f"{path} holds a model with no record of the command that wrote it ({first_names(foreign)}), which "
+                f"--overwrite never replaces; choose a new folder{unrecorded}")
     if foreign:
         return (f"{path} holds files diff-llama did not write ({first_names(foreign)}), which --overwrite never "
                 "replaces; choose a new folder, or move them out")
@@ -262,7 +268,7 @@ def replace_refusal(path: str | os.PathLike, inputs=(), command: str | None = No
     other = other_commands_output(path, command) if command is not None else None
     if other is not None:
         return (f"{path} holds {other}, which {command} --overwrite never replaces (it replaces only an earlier "
-                f"{command} output); choose a new folder")
+                f"{command} output); choose a new folder{unrecorded}")
     return None
 
 
