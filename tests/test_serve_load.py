@@ -398,18 +398,16 @@ def test_transformers_server_alone_answers_these_with_a_500(unguarded, case):
 def test_the_request_timeout_is_a_transformers_server_option():
     from diff_llama.errors import UserError
     from diff_llama.options import ServeOptions
-    from diff_llama.serving import vllm_command
 
     with pytest.raises(UserError, match="--request-timeout must be 0"):
         ServeOptions(request_timeout=-1)
     with pytest.raises(UserError, match="--request-timeout is an option of the transformers server"):
-        vllm_command("any-model", ServeOptions(engine="vllm", request_timeout=30))
+        ServeOptions(engine="vllm", request_timeout=30)
 
 
 def test_the_paged_cache_sizes_go_with_continuous_batching_on_the_transformers_server():
     from diff_llama.errors import UserError
     from diff_llama.options import ServeOptions
-    from diff_llama.serving import vllm_command
 
     with pytest.raises(UserError, match="--cb-num-blocks sizes continuous batching's cache: add --continuous-batching"):
         ServeOptions(cb_num_blocks=16)
@@ -418,7 +416,7 @@ def test_the_paged_cache_sizes_go_with_continuous_batching_on_the_transformers_s
     with pytest.raises(UserError, match="--cb-max-batch-tokens must be 1 or more, not 0"):
         ServeOptions(continuous_batching=True, cb_max_batch_tokens=0)
     with pytest.raises(UserError, match="is an option of the transformers server"):
-        vllm_command("any-model", ServeOptions(engine="vllm", continuous_batching=True, cb_num_blocks=16))
+        ServeOptions(engine="vllm", continuous_batching=True, cb_num_blocks=16)
 
 
 @pytest.mark.parametrize("sized", [False, True])

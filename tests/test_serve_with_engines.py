@@ -140,12 +140,25 @@ def test_tensor_parallel_goes_to_vllm_where_whole_heads_split(tmp_path, tokenize
         assert "--tensor-parallel-size 2" in err and named in err and "sizes that work here: [1" in err, err
 
 
-def test_tensor_parallel_is_refused_for_the_transformers_server(model_folders):
+@pytest.mark.parametrize("args, expected", [
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size is an option of vLLM's and SGLang's servers: add "
+                                      "--engine vllm or --engine sglang"),
+    (["--engine", "vllm", "--continuous-batching"], "--continuous-batching is an option of the transformers server; "
+                                                    "with --engine vllm, drop it, or give vLLM's own options after --"),
+    (["--engine", "sglang", "--request-timeout", "30"], "--request-timeout is an option of the transformers server"),
+    (["--engine", "vllm", "--tensor-parallel-size", "0"], "--tensor-parallel-size must be 1 or more, got 0"),
+], ids=["tp-for-transformers", "cb-for-vllm", "timeout-for-sglang", "tp-0"])
+def test_an_option_of_the_other_server_is_refused_at_once(model_folders, args, expected):
+    """Known from the options alone, so refused in one line before torch loads (seconds), as a mistyped option is."""
+    code = ("import sys, diff_llama_cli\n"
+            f"code = diff_llama_cli.main(['serve', {str(model_folders[2])!r}, *{args!r}])\n"
+            "print(code, sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     env = dict(os.environ, PYTHONPATH=SRC, HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, "-m", "diff_llama.cli", "serve", str(model_folders[2]),
-                             "--tensor-parallel-size", "2"], env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     err = result.stderr.strip()
-    assert result.returncode == 2 and "\n" not in err and "--engine vllm or --engine sglang" in err, err
+    assert result.stdout.split("\n")[-2] == "2 []" and err.startswith("diff-llama serve: error: ") and "\n" not in err, (
+        result.stdout, err)
+    assert expected in err, err
 
 
 def test_a_diff_v2_folder_goes_to_sglangs_transformers_backend_as_remote_code(model_folders, tokenizer):

@@ -465,6 +465,12 @@ CONTINUOUS_BATCHING_SIZES = {
     "cb_max_batch_tokens": (lambda value: value >= 1, "1 or more"),
     "cb_max_memory_percent": (lambda value: 0 < value <= 1, "a fraction above 0 and at most 1"),
 }
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+# The transformers server's own options, with the value that means "not set"; `--engine vllm` or `sglang` refuses any
+# other value rather than dropping it without a word (SGLang takes --device too).
+TRANSFORMERS_SERVER_ONLY = {"device": "auto", "attn_implementation": None, "quantization": None,
+                            "continuous_batching": False, "request_timeout": 600,
+                            **dict.fromkeys(CONTINUOUS_BATCHING_SIZES)}
 
 
 @dataclass
@@ -528,3 +534,21 @@ class ServeOptions:
                 raise UserError(f"{flag} sizes continuous batching's cache: add --continuous-batching, or drop {flag}")
             if value is not None and not fits(value):
                 raise UserError(f"{flag} must be {expected}, not {value:g}")
+        self._check_options_fit_the_engine()
+
+    def _check_options_fit_the_engine(self):
+        """Here, not where the server starts: an option of the wrong server is known from the options alone, so the
+        command line answers it at once, before torch loads."""
+        if self.tensor_parallel_size < 1:
+            raise UserError(f"--tensor-parallel-size must be 1 or more, got {self.tensor_parallel_size}")
+        if self.engine == "transformers":
+            if self.tensor_parallel_size != 1:
+                raise UserError("--tensor-parallel-size is an option of vLLM's and SGLang's servers: add --engine vllm "
+                                "or --engine sglang (transformers' server runs one process)")
+            return
+        for name, unset in TRANSFORMERS_SERVER_ONLY.items():
+            if getattr(self, name) != unset and not (name == "device" and self.engine == "sglang"):
+                flag = "--" + name.replace("_", "-")
+                raise UserError(f"{flag} is an option of the transformers server; with --engine {self.engine}, drop "
+                                f"it, or give {ENGINE_NAMES[self.engine]}'s own options after -- (diff-llama serve MODEL "
+                                f"--engine {self.engine} -- --an-option value)")

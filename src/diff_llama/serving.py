@@ -30,7 +30,7 @@ import contextlib
 import shlex
 
 from .errors import MissingPackageError, UserError
-from .options import CONTINUOUS_BATCHING_SIZES, SGLANG_INSTALL_COMMANDS, VLLM_INSTALL_COMMANDS
+from .options import ENGINE_NAMES, SGLANG_INSTALL_COMMANDS, VLLM_INSTALL_COMMANDS
 
 MODEL_TYPE = "diff_llama"
 
@@ -120,9 +120,6 @@ def serve(model: str, options, engine_args=()) -> int:
         raise UserError(f"{engine_args[0]}: the words after -- are vLLM's or SGLang's options, for --engine vllm or "
                         "--engine sglang; transformers' server takes only diff-llama serve's own options (diff-llama "
                         "serve --help)")
-    if options.tensor_parallel_size != 1:
-        raise UserError("--tensor-parallel-size is an option of vLLM's and SGLang's servers: add --engine vllm or "
-                        "--engine sglang (transformers' server runs one process)")
     from transformers.utils.import_utils import is_serve_available
 
     import diff_llama  # noqa: F401  (registers the Auto classes: the package's code serves without trust_remote_code)
@@ -187,31 +184,15 @@ def require_free_port(host: str, port: int) -> None:
 
 # ---- vLLM and SGLang -------------------------------------------------------------------------------------------------
 
-ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
-
-# The transformers server's own options, with the value that means "not set"; `--engine vllm` or `sglang` refuses any
-# other value rather than dropping it without a word (SGLang takes --device too).
-TRANSFORMERS_SERVER_ONLY = {"device": "auto", "attn_implementation": None, "quantization": None,
-                            "continuous_batching": False, "request_timeout": 600,
-                            **dict.fromkeys(CONTINUOUS_BATCHING_SIZES)}
-
 
 def engine_model(model: str, options):
     """MODEL (any MODEL argument) checked for `options.engine`, the way every command checks its model: its
     `resolve.find_model` location and its config. Raises one line for what the engines' Transformers backends cannot
-    serve: a GGUF file, a version 1 DiffLlama, a transformers-server option, a tensor-parallel size that splits
-    heads."""
+    serve: a GGUF file, a version 1 DiffLlama, a tensor-parallel size that splits heads (`ServeOptions` itself
+    refuses an option of the transformers server)."""
     from .resolve import adapter_refusal, find_model, is_adapter_folder, load_config
 
     engine = ENGINE_NAMES[options.engine]
-    if options.tensor_parallel_size < 1:
-        raise UserError(f"--tensor-parallel-size must be 1 or more, got {options.tensor_parallel_size}")
-    for name, unset in TRANSFORMERS_SERVER_ONLY.items():
-        if getattr(options, name) != unset and not (name == "device" and options.engine == "sglang"):
-            flag = "--" + name.replace("_", "-")
-            raise UserError(f"{flag} is an option of the transformers server; with --engine {options.engine}, drop it, "
-                            f"or give {engine}'s own options after -- (diff-llama serve MODEL --engine {options.engine} "
-                            "-- --an-option value)")
     if is_adapter_folder(model):
         raise UserError(adapter_refusal(model, "or serve the adapter folder with the transformers server, which merges "
                                                f"it as it loads (diff-llama serve {shlex.quote(str(model))})"))
