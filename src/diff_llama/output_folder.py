@@ -217,6 +217,11 @@ def inside_input_refusal(output: str | os.PathLike, inputs=()) -> str | None:
     return None
 
 
+# What a folder with a model's files and no marker holds: a model from elsewhere, or an output of an older diff-llama,
+# which wrote none.
+UNRECORDED_MODEL = "a model with no record of the command that wrote it"
+
+
 def other_commands_output(folder: Path, command: str) -> str | None:
     """What `folder` holds when a command other than `command` wrote it ("the output of diff-llama demo" from its
     marker, or "a model" from a model's files), or None when `command` wrote it or nothing says who did."""
@@ -228,8 +233,7 @@ def other_commands_output(folder: Path, command: str) -> str | None:
     if command == "convert" and (folder / "conversion_report.json").is_file():
         return None  # a conversion's own report, and no marker of a command that trained it since
     if (folder / "config.json").is_file() or (folder / "conversion_report.json").is_file():
-        # No marker: a model from elsewhere, or an output of an older diff-llama, which wrote none.
-        return "a model" if written_by else "a model with no record of the command that wrote it"
+        return "a model" if written_by else UNRECORDED_MODEL
     return None
 
 
@@ -255,7 +259,7 @@ def replace_refusal(path: str | os.PathLike, inputs=(), command: str | None = No
     unrecorded = "" if read_marker(path) else (f", or delete it yourself if it is an earlier {command or 'diff-llama'} "
                                                "output that an older diff-llama wrote without a record")
     if foreign and (path / "config.json").is_file() and unrecorded:
-        return (f"{path} holds a model with no record of the command that wrote it ({first_names(foreign)}), which "
+        return (f"{path} holds {UNRECORDED_MODEL} ({first_names(foreign)}), which "
                 f"--overwrite never replaces; choose a new folder{unrecorded}")
     if foreign:
         return (f"{path} holds files diff-llama did not write ({first_names(foreign)}), which --overwrite never "

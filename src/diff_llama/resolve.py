@@ -300,6 +300,18 @@ def load_tokenizer(name: str | os.PathLike, **kwargs):
     return _load(AutoTokenizer, location, **kwargs)
 
 
+@contextlib.contextmanager
+def peft_without_its_deprecation_warning():
+    """PEFT's adapter set-up reads transformers' deprecated `is_gradient_checkpointing` (a FutureWarning on every
+    LoRA command) where it means `is_activation_checkpointing`: a warning about PEFT's code, which the user cannot act
+    on. Only that one warning is silenced."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def load_causal_lm(name: str | os.PathLike, **kwargs):
     """`AutoModelForCausalLM.from_pretrained` for any model argument (see `resolve_model`). A LoRA adapter folder (what
     `diff-llama train --lora` writes) loads on its base model and is merged into it, λ included: the model it
@@ -312,7 +324,8 @@ def load_causal_lm(name: str | os.PathLike, **kwargs):
     from peft import PeftModel
 
     base = load_causal_lm(adapter_base(location), **kwargs)
-    merged = PeftModel.from_pretrained(base, location.name_or_path).merge_and_unload()
+    with peft_without_its_deprecation_warning():
+        merged = PeftModel.from_pretrained(base, location.name_or_path).merge_and_unload()
     # peft froze the base's weights to train the adapter, and merging leaves them frozen: a plain model trains all
     # (all that can: a quantized base's integer weights cannot require gradients).
     for param in merged.parameters():

@@ -383,7 +383,10 @@ def with_lora(model, options: TrainingRunOptions):
         return model
     from peft import get_peft_model
 
-    model = get_peft_model(model, lora_config(rank=options.lora_rank, include_mlp=options.lora_mlp))
+    from .resolve import peft_without_its_deprecation_warning
+
+    with peft_without_its_deprecation_warning():
+        model = get_peft_model(model, lora_config(rank=options.lora_rank, include_mlp=options.lora_mlp))
     model.print_trainable_parameters()
     return model
 
