@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from conftest import SAMPLE_TEXT, LayerZeroQueries, differential_model, make_llama, tiny_model
+from conftest import SAMPLE_TEXT, LayerZeroQueries, differential_model, make_llama, needs_fullgraph_compile, tiny_model
 from packaging import version
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
@@ -194,6 +194,60 @@ def test_train_compile_trains_as_one_graph_what_eager_training_trains(tmp_path, 
     assert any(not torch.equal(compiled[name], base[name]) for name in base)  # it trained
     for name, weight in eager.items():
         torch.testing.assert_close(compiled[name], weight, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _lora_runs(tmp_path, tokenizer, **runs):
+    """Adapter weights of `train --lora` runs of one small DIFF V2 model, one per keyword (its extra arguments)."""
+    folder = tmp_path / "base"
+    differential_model(2, torch.float32, vocab_size=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (tmp_path / "text.txt").write_text(SAMPLE_TEXT)
+    common = [str(folder), "--data", str(tmp_path / "text.txt"), "--block-size", "32", "--batch-size", "2",
+              "--max-steps", "2", "--save-steps", "10", "--no-monitor", "--lora", "--learning-rate", "1e-2"]
+    for name, extra in runs.items():
+        assert main(["train", *common, "--output", str(tmp_path / name), *extra]) == 0
+    return {name: load_file(tmp_path / name / "adapter_model.safetensors") for name in runs}
+
+
+def _assert_same_adapters(trained, reference):
+    assert any(name.endswith("lora_B.weight") and weight.abs().max() > 0 for name, weight in reference.items())
+    assert trained.keys() == reference.keys()
+    for name, weight in reference.items():
+        torch.testing.assert_close(trained[name], weight, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.oldest_transformers  # where the Trainer's checkpointing defaults to reentrant, and names its options so
+def test_lora_with_gradient_checkpointing_trains_as_without_it(tmp_path, tokenizer):
+    """--lora --gradient-checkpointing: non-reentrant checkpointing, without transformers' hook that makes the frozen
+    embeddings' output require grad, still takes every gradient to the adapter."""
+    found = _lora_runs(tmp_path, tokenizer, plain=[], checkpointed=["--gradient-checkpointing"])
+    _assert_same_adapters(found["checkpointed"], found["plain"])
+
+
+@needs_fullgraph_compile
+def test_lora_with_gradient_checkpointing_compiles_as_one_graph(tmp_path, tokenizer):
+    """--lora --gradient-checkpointing --compile: transformers' hook on the embeddings (`requires_grad_`, which dynamo
+    cannot trace) split the compiled step into three graphs; without it the step is one graph, and trains as eager."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = ["--gradient-checkpointing", "--compile", "--compile-backend", "aot_eager"]
+    found = _lora_runs(tmp_path, tokenizer, compiled=compiled)
+    assert counters["stats"]["unique_graphs"] == 1 and dict(counters["graph_break"]) == {}
+    _assert_same_adapters(found["compiled"], _lora_runs(tmp_path / "eager", tokenizer, plain=[])["plain"])
+
+
+def test_compile_on_torch_older_than_2_8_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """Before 2.8 dynamo fails on transformers' own wrappers (tested on 2.6) once the model has loaded."""
+    import transformers.utils
+
+    monkeypatch.setattr(transformers.utils, "is_torch_greater_or_equal", lambda version, accept_dev=False: False)
+    (tmp_path / "text.txt").write_text(SAMPLE_TEXT)
+    assert main(["train", str(tmp_path / "no-model"), "--data", str(tmp_path / "text.txt"), "--output",
+                 str(tmp_path / "out"), "--compile"]) == 2
+    assert "--compile needs torch 2.8 or newer" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_resume_refuses_what_would_not_continue_the_run(tmp_path, saved_model, capsys, monkeypatch):

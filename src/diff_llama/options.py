@@ -138,8 +138,15 @@ class TrainingRunOptions:
         if self.compile_backend != "inductor" and not self.compile:
             raise UserError(f"--compile-backend {self.compile_backend} needs --compile.")
         if self.compile:
-            from torch._dynamo import list_backends  # only then: the option checks stay free of torch
+            import torch  # only then: the option checks stay free of torch
+            from torch._dynamo import list_backends
+            from transformers.utils import is_torch_greater_or_equal
 
+            # Older torch fails inside dynamo on transformers' own wrappers, after the model has loaded.
+            if not is_torch_greater_or_equal("2.8", accept_dev=True):
+                raise UserError(f"--compile needs torch 2.8 or newer (on older torch transformers' own Llama does not "
+                                f"compile either), and this is torch {torch.__version__}: upgrade torch, or train "
+                                "without --compile.")
             if self.compile_backend not in list_backends(exclude_tags=()):  # debugging ones (aot_eager) included
                 raise UserError(f"--compile-backend {self.compile_backend} is not a torch.compile backend; give one "
                                 f"of {', '.join(list_backends())}, or aot_eager.")

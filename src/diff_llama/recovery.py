@@ -28,6 +28,7 @@ from .training import (
     TokenizerInCheckpoints,
     check_resumed_run,
     compute_arguments,
+    compute_callbacks,
     joined_text,
     load_for_training,
     optimizer_for,
@@ -327,7 +328,7 @@ def recover(model_path: str, options: RecoveryOptions) -> dict:
         model=student, args=args, train_dataset=dataset, teacher=teacher, lambda_floor=options.lambda_floor,
         lambda_floor_ramp_steps=options.lambda_floor_ramp_steps, optimizers=(optimizer, scheduler),
         callbacks=[monitor, TokenizerInCheckpoints(tokenizer),
-                   RunRecordInCheckpoints(run_record(model_path, options))],
+                   RunRecordInCheckpoints(run_record(model_path, options)), *compute_callbacks(options)],
     )
     trainer.train(resume_from_checkpoint=checkpoint)
 

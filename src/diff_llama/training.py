@@ -315,8 +315,28 @@ def compute_arguments(options: TrainingRunOptions) -> dict:
     known = {field.name for field in fields(TrainingArguments)}
     checkpointing = "activation_checkpointing" if "activation_checkpointing" in known else "gradient_checkpointing"
     compiled = {"torch_compile": True, "torch_compile_backend": options.compile_backend} if options.compile else {}
+    # Non-reentrant, whatever the version's default: `NoGradientHookOnInputs` relies on it.
+    reentrant = {f"{checkpointing}_kwargs": {"use_reentrant": False}} if options.gradient_checkpointing else {}
     return {"use_cpu": device.type == "cpu", "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16,
-            checkpointing: options.gradient_checkpointing, **compiled}
+            checkpointing: options.gradient_checkpointing, **reentrant, **compiled}
+
+
+def compute_callbacks(options: TrainingRunOptions) -> list:
+    """The callbacks that go with `compute_arguments(options)`."""
+    return [NoGradientHookOnInputs()] if options.gradient_checkpointing else []
+
+
+class NoGradientHookOnInputs(TrainerCallback):
+    """With gradient checkpointing the Trainer has transformers hook the input embeddings to call
+    `requires_grad_(True)` on their output, which reentrant checkpointing needs when the embeddings are frozen (LoRA).
+    `compute_arguments` asks for non-reentrant checkpointing, which takes gradients to the weights inside a layer
+    whatever its input, so the hook only costs: torch.compile cannot trace it, and a compiled LoRA step breaks into
+    three graphs there. Removed once the Trainer has set checkpointing up, before the first step."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        remove = getattr(model, "disable_input_require_grads", None)  # through PEFT's wrappers to the model
+        if remove is not None:
+            remove()
 
 
 def run_record(model_path: str, options: TrainingRunOptions) -> dict:
@@ -547,7 +567,8 @@ def train(model_path: str, options: FineTuneOptions, callbacks: tuple = ()) -> P
     )
     trainer = Trainer(model=model, args=args, train_dataset=dataset,
                       callbacks=[LogLastStep(), TokenizerInCheckpoints(tokenizer),
-                                 RunRecordInCheckpoints(run_record(model_path, options)), *callbacks],
+                                 RunRecordInCheckpoints(run_record(model_path, options)),
+                                 *compute_callbacks(options), *callbacks],
                       optimizers=(optimizer_for(model, learning_rate, options.lambda_learning_rate), None))
     if options.monitor and hasattr(model, "get_lambdas"):
         DifferentialAttentionCallback.attach(trainer, dataset.blocks[0, :64])
