@@ -144,7 +144,7 @@ class TrainingRunOptions:
 
             # Older torch fails inside dynamo on transformers' own wrappers, after the model has loaded.
             if not is_torch_greater_or_equal("2.8", accept_dev=True):
-                raise UserError(f"--compile needs torch 2.8 or newer (on older torch transformers' own Llama does not "
+                raise UserError(f"--compile needs torch 2.8 or newer (on older torch, transformers' own Llama does not "
                                 f"compile either), and this is torch {torch.__version__}: upgrade torch, or train "
                                 "without --compile.")
             if self.compile_backend not in list_backends(exclude_tags=()):  # debugging ones (aot_eager) included

@@ -316,9 +316,9 @@ def compute_arguments(options: TrainingRunOptions) -> dict:
     checkpointing = "activation_checkpointing" if "activation_checkpointing" in known else "gradient_checkpointing"
     compiled = {"torch_compile": True, "torch_compile_backend": options.compile_backend} if options.compile else {}
     # Non-reentrant, whatever the version's default: `NoGradientHookOnInputs` relies on it.
-    reentrant = {f"{checkpointing}_kwargs": {"use_reentrant": False}} if options.gradient_checkpointing else {}
+    non_reentrant = {f"{checkpointing}_kwargs": {"use_reentrant": False}} if options.gradient_checkpointing else {}
     return {"use_cpu": device.type == "cpu", "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16,
-            checkpointing: options.gradient_checkpointing, **reentrant, **compiled}
+            checkpointing: options.gradient_checkpointing, **non_reentrant, **compiled}
 
 
 def compute_callbacks(options: TrainingRunOptions) -> list:
