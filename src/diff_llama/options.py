@@ -478,6 +478,16 @@ ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
 TRANSFORMERS_SERVER_ONLY = {"device": "auto", "attn_implementation": None, "quantization": None,
                             "continuous_batching": False, "request_timeout": 600,
                             **dict.fromkeys(CONTINUOUS_BATCHING_SIZES)}
+# The engines' options diff-llama serve sets itself (all spellings), with the diff-llama serve option that sets each
+# (None: set for MODEL). Given again after --, the engine would take the later value, unchecked.
+ENGINE_OPTIONS_MADE_HERE = {
+    "--host": "--host", "--port": "--port", "--dtype": "--dtype", "--uvicorn-log-level": "--log-level",
+    "--log-level": "--log-level", "--device": "--device", "--trust-remote-code": "--trust-remote-code",
+    "--tensor-parallel-size": "--tensor-parallel-size", "--tp-size": "--tensor-parallel-size",
+    "--tp": "--tensor-parallel-size", "-tp": "--tensor-parallel-size",
+    "--max-model-len": "--max-model-len", "--context-length": "--max-model-len",
+    "--model": None, "--model-path": None, "--served-model-name": None, "--model-impl": None,
+}
 
 
 @dataclass
@@ -559,3 +569,19 @@ class ServeOptions:
                 raise UserError(f"{flag} is an option of the transformers server; with --engine {self.engine}, drop "
                                 f"it, or give {ENGINE_NAMES[self.engine]}'s own options after -- (diff-llama serve MODEL "
                                 f"--engine {self.engine} -- --an-option value)")
+
+    def check_engine_args(self, engine_args) -> None:
+        """The words after -- go to vLLM's or SGLang's server as they are: refused in one line where there is no such
+        server, or where one repeats an option diff-llama serve sets on the engine's command line itself. Known from
+        the words alone, so the command line checks them with the options, before torch loads."""
+        if engine_args and self.engine == "transformers":
+            raise UserError(f"{engine_args[0]}: the words after -- are vLLM's or SGLang's options, for --engine vllm or "
+                            "--engine sglang; transformers' server takes only diff-llama serve's own options (diff-llama "
+                            "serve --help)")
+        for word in engine_args:
+            flag = word.partition("=")[0]
+            if flag in ENGINE_OPTIONS_MADE_HERE:
+                ours = ENGINE_OPTIONS_MADE_HERE[flag]
+                fix = (f"give diff-llama serve's own {ours}, before --" if ours else
+                       "diff-llama serve sets it for MODEL (run the engine yourself to set it otherwise)")
+                raise UserError(f"{flag} after -- is an option diff-llama serve sets itself, from what it checked: {fix}")

@@ -114,12 +114,9 @@ def serve(model: str, options, engine_args=()) -> int:
     transformers serve as they are. `engine_args` go to vLLM's or SGLang's server, after the ones diff-llama makes."""
     from dataclasses import asdict
 
+    options.check_engine_args(engine_args)  # the command line has checked them already; a caller in Python may not
     if options.engine != "transformers":
         return serve_with_engine(model, options, list(engine_args))
-    if engine_args:
-        raise UserError(f"{engine_args[0]}: the words after -- are vLLM's or SGLang's options, for --engine vllm or "
-                        "--engine sglang; transformers' server takes only diff-llama serve's own options (diff-llama "
-                        "serve --help)")
     from transformers.utils.import_utils import is_serve_available
 
     import diff_llama  # noqa: F401  (registers the Auto classes: the package's code serves without trust_remote_code)
@@ -334,29 +331,6 @@ def refuse_code_without_load_weights(model: str, location) -> None:
                     "(\"Serving with SGLang\") shows")
 
 
-# The engines' options diff-llama serve sets itself (all spellings), with the diff-llama serve option that sets each
-# (None: set for MODEL). Given again after --, the engine would take the later value, unchecked.
-ENGINE_OPTIONS_MADE_HERE = {
-    "--host": "--host", "--port": "--port", "--dtype": "--dtype", "--uvicorn-log-level": "--log-level",
-    "--log-level": "--log-level", "--device": "--device", "--trust-remote-code": "--trust-remote-code",
-    "--tensor-parallel-size": "--tensor-parallel-size", "--tp-size": "--tensor-parallel-size",
-    "--tp": "--tensor-parallel-size", "-tp": "--tensor-parallel-size",
-    "--max-model-len": "--max-model-len", "--context-length": "--max-model-len",
-    "--model": None, "--model-path": None, "--served-model-name": None, "--model-impl": None,
-}
-
-
-def refuse_options_made_here(engine_args: list[str]) -> None:
-    """One line where an option after -- is one that diff-llama serve puts on the engine's command line itself."""
-    for word in engine_args:
-        flag = word.partition("=")[0]
-        if flag in ENGINE_OPTIONS_MADE_HERE:
-            ours = ENGINE_OPTIONS_MADE_HERE[flag]
-            fix = (f"give diff-llama serve's own {ours}, before --" if ours else
-                   "diff-llama serve sets it for MODEL (run the engine yourself to set it otherwise)")
-            raise UserError(f"{flag} after -- is an option diff-llama serve sets itself, from what it checked: {fix}")
-
-
 def serve_with_engine(model: str, options, engine_args: list[str]) -> int:
     """`diff-llama serve MODEL --engine vllm|sglang [-- ENGINE_ARG ...]`: checks MODEL and the engine, prints the
     engine's server command line, `engine_args` at its end, and becomes it. Without --trust-remote-code vLLM loads
@@ -366,9 +340,7 @@ def serve_with_engine(model: str, options, engine_args: list[str]) -> int:
     import shlex
 
     build = vllm_command if options.engine == "vllm" else sglang_command
-    command = build(model, options)  # before the engine: the model is the likelier mistake
-    refuse_options_made_here(engine_args)
-    command += engine_args
+    command = build(model, options) + engine_args  # before the engine: the model is the likelier mistake
     require_free_port(options.host, options.port)
     if importlib.util.find_spec(options.engine) is None:
         install = VLLM_INSTALL_COMMANDS if options.engine == "vllm" else SGLANG_INSTALL_COMMANDS

@@ -17,7 +17,9 @@ class Command:
     options: tuple = ()  # option dataclasses
     positionals: tuple = ()  # (name, help) or (name, help, argparse keyword arguments)
     description: str | None = None  # the command's --help text (default: the summary)
-    after_dashes: str | None = None  # a positional (nargs="*") that takes only the words after `--`, as they are
+    # A positional (nargs="*") that takes only the words after `--`, as they are; the first option dataclass checks
+    # them in its method check_<after_dashes>.
+    after_dashes: str | None = None
 
 
 COMMANDS: dict[str, Command] = {

@@ -209,4 +209,6 @@ def parse(name: str, argv) -> list:
     for options_class in command.options:
         init = [f.name for f in dataclasses.fields(options_class) if f.init]
         result.append(options_class(**{field: values.pop(field) for field in init}))
+    if command.after_dashes:  # the other program's words, checked with the options: before the command imports torch
+        getattr(result[len(command.positionals)], f"check_{command.after_dashes}")(after)
     return result
