@@ -169,6 +169,20 @@ def test_train_with_autocast_and_gradient_checkpointing(tmp_path, saved_model, m
     assert main(["train", *[a if a != autocast else other for a in common], "--max-steps", "4", "--resume"]) == 2
 
 
+def _train_runs(tmp_path, tokenizer, version=2, **runs):
+    """Two steps of `train` on one small DiffLlama (saved in tmp_path/base, which it returns) for each keyword: the
+    run's extra arguments, its output tmp_path/KEYWORD."""
+    folder = tmp_path / "base"
+    differential_model(version, torch.float32, vocab_size=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (tmp_path / "text.txt").write_text(SAMPLE_TEXT)
+    common = [str(folder), "--data", str(tmp_path / "text.txt"), "--block-size", "32", "--batch-size", "2",
+              "--max-steps", "2", "--save-steps", "10", "--no-monitor", "--learning-rate", "1e-2"]
+    for name, extra in runs.items():
+        assert main(["train", *common, "--output", str(tmp_path / name), *extra]) == 0
+    return folder
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_train_compile_trains_as_one_graph_what_eager_training_trains(tmp_path, tokenizer, version):
     """--compile: the Trainer compiles the model (here with aot_eager, which dynamo splits into graphs as it does for
@@ -176,17 +190,10 @@ def test_train_compile_trains_as_one_graph_what_eager_training_trains(tmp_path, 
     training's weights."""
     from torch._dynamo.utils import counters
 
-    folder = tmp_path / "base"
-    differential_model(version, torch.float32, vocab_size=len(tokenizer)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    (tmp_path / "text.txt").write_text(SAMPLE_TEXT)
-    common = [str(folder), "--data", str(tmp_path / "text.txt"), "--block-size", "32", "--batch-size", "2",
-              "--max-steps", "2", "--save-steps", "10", "--no-monitor", "--learning-rate", "1e-2"]
-    assert main(["train", *common, "--output", str(tmp_path / "eager")]) == 0
     torch._dynamo.reset()
     counters.clear()
-    assert main(["train", *common, "--output", str(tmp_path / "compiled"), "--compile",
-                 "--compile-backend", "aot_eager"]) == 0
+    folder = _train_runs(tmp_path, tokenizer, version=version,  # the eager run compiles nothing
+                         eager=[], compiled=["--compile", "--compile-backend", "aot_eager"])
     assert counters["stats"]["unique_graphs"] >= 1 and dict(counters["graph_break"]) == {}
     eager, compiled = (AutoModelForCausalLM.from_pretrained(tmp_path / name).state_dict()
                        for name in ("eager", "compiled"))
@@ -198,14 +205,7 @@ def test_train_compile_trains_as_one_graph_what_eager_training_trains(tmp_path, 
 
 def _lora_runs(tmp_path, tokenizer, **runs):
     """Adapter weights of `train --lora` runs of one small DIFF V2 model, one per keyword (its extra arguments)."""
-    folder = tmp_path / "base"
-    differential_model(2, torch.float32, vocab_size=len(tokenizer)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    (tmp_path / "text.txt").write_text(SAMPLE_TEXT)
-    common = [str(folder), "--data", str(tmp_path / "text.txt"), "--block-size", "32", "--batch-size", "2",
-              "--max-steps", "2", "--save-steps", "10", "--no-monitor", "--lora", "--learning-rate", "1e-2"]
-    for name, extra in runs.items():
-        assert main(["train", *common, "--output", str(tmp_path / name), *extra]) == 0
+    _train_runs(tmp_path, tokenizer, **{name: ["--lora", *extra] for name, extra in runs.items()})
     return {name: load_file(tmp_path / name / "adapter_model.safetensors") for name in runs}
 
 
