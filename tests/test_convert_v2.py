@@ -51,6 +51,43 @@ def test_converted_model_computes_the_llama_function(tmp_path, tokenizer, heads,
     assert quality["kl_source_to_converted"] < 1e-8
 
 
+@pytest.mark.parametrize("evaluate", [True, False])
+def test_a_llama_with_biases_converts_exactly(tmp_path, tokenizer, evaluate):
+    """attention_bias and mlp_bias (llamafied Qwen checkpoints have them): q_proj's bias is paired with its rows, the
+    others are copied, o_proj's undoubled. Biases drawn at random (a fresh LLaMA's are zeros, which any mistake would
+    keep). Streamed (stored bytes gathered) and evaluated (layers built in memory) alike."""
+    source = make_llama(tmp_path / "llama", tokenizer, attention_bias=True, mlp_bias=True)
+    weights = load_file(source / "model.safetensors")
+    generator = torch.Generator().manual_seed(3)
+    biases = {name: torch.randn(tensor.shape, generator=generator) for name, tensor in weights.items()
+              if name.endswith(".bias")}
+    assert len(biases) == 7 * 3  # q, k, v, o, gate, up, down in each of 3 layers
+    save_file({**weights, **biases}, source / "model.safetensors", metadata={"format": "pt"})
+    report = convert_llama_to_diff_llama(str(source), str(tmp_path / "v2"),
+                                         ConversionOptions(evaluate=evaluate, **FAST), progress=False)
+    llama = LlamaForCausalLM.from_pretrained(source, dtype=torch.float64).eval()
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "v2", dtype=torch.float64).eval()
+    assert converted.config.attention_bias and converted.config.mlp_bias
+    assert torch.equal(converted.model.layers[1].self_attn.o_proj.bias, llama.model.layers[1].self_attn.o_proj.bias)
+    input_ids, attention_mask = _inputs(len(tokenizer))
+    real = attention_mask.bool()
+    with torch.no_grad():
+        expected = llama(input_ids, attention_mask=attention_mask).logits
+        logits = converted(input_ids, attention_mask=attention_mask).logits
+    torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=1e-6)
+    if evaluate:
+        assert report.quality["kl_source_to_converted"] < 1e-8
+
+
+def test_version_1_refuses_a_llama_with_biases_and_points_to_diff_v2(tmp_path, tokenizer, capsys):
+    source = make_llama(tmp_path / "llama", tokenizer, attention_bias=True)
+    assert main(["convert", str(source), str(tmp_path / "v1"), "--diff-version", "1"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "this LLaMA has attention or MLP biases, which version 1's conversion does not take; DIFF V2 (the default: "
+        "drop --diff-version 1) converts it exactly.")
+    assert not (tmp_path / "v1").exists()
+
+
 @pytest.mark.parametrize("matrices,norms", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
                                             (torch.bfloat16, torch.float16)])
 @pytest.mark.parametrize("evaluate", [True, False])

@@ -258,9 +258,16 @@ def test_a_source_without_tokenizer_is_refused_but_a_broken_tokenizer_is_not_cal
     for file in tokenizer_files:
         file.unlink()
     out = tmp_path / "diff"
-    with pytest.raises(ConversionError, match="has no tokenizer, which calibration and evaluation need"):
-        convert_llama_to_diff_llama(str(llama_dir), str(out), ConversionOptions(), progress=False)
-    assert not out.exists()
+    for options, says in [  # the flags named are exactly those that leave the tokenizer unneeded
+        (ConversionOptions(), "which evaluation needs; add the tokenizer files or pass --no-evaluate."),
+        (ConversionOptions(diff_version=1), "which calibration and evaluation need; add the tokenizer files or pass "
+                                            "--calibration none --no-evaluate."),
+        (ConversionOptions(diff_version=1, evaluate=False), "which calibration needs; add the tokenizer files or "
+                                                            "pass --calibration none."),
+    ]:
+        with pytest.raises(ConversionError, match="has no tokenizer, " + re.escape(says) + "$"):
+            convert_llama_to_diff_llama(str(llama_dir), str(out), options, progress=False)
+        assert not out.exists()
 
     (llama_dir / "tokenizer.json").write_text("{not json")
     with pytest.raises(json.JSONDecodeError):
@@ -431,10 +438,11 @@ def test_converted_tokenizer_loads_as_a_plain_tokenizer_without_prompts(tmp_path
     assert module.startswith("transformers.") and ids == str(tokenizer("The quick brown fox").input_ids)
 
 
-@pytest.mark.parametrize("tie", [True, False])
-def test_the_converters_schema_is_the_models_own(tie):
+@pytest.mark.parametrize("tie,biases", [(True, {}), (False, {}), (False, dict(attention_bias=True)),
+                                        (True, dict(mlp_bias=True, attention_bias=True))])
+def test_the_converters_schema_is_the_models_own(tie, biases):
     """The converter writes tensors from its own schema; it must be exactly what the models' state dicts hold, for the
-    LLaMA and for each version (checkpoint names: λ vectors as `self_attn.lambda_q1`, ...)."""
+    LLaMA and for each version (checkpoint names: λ vectors as `self_attn.lambda_q1`, ...), biases included."""
     from transformers import LlamaForCausalLM
     from transformers.core_model_loading import revert_weight_conversion
 
@@ -443,7 +451,7 @@ def test_the_converters_schema_is_the_models_own(tie):
     from diff_llama.conversion.version2 import DiffV2Conversion
 
     config = LlamaConfig(vocab_size=64, hidden_size=36, intermediate_size=40, num_hidden_layers=2,
-                         num_attention_heads=3, num_key_value_heads=1, tie_word_embeddings=tie)
+                         num_attention_heads=3, num_key_value_heads=1, tie_word_embeddings=tie, **biases)
     v1_config, v2_config = diff_config_for(config, expand_layout(3, 1)), diff_config_for(config, None)
     with torch.device("meta"):
         llama, v1, v2 = LlamaForCausalLM(config), DiffLlamaForCausalLM(v1_config), DiffLlamaForCausalLM(v2_config)
@@ -455,8 +463,9 @@ def test_the_converters_schema_is_the_models_own(tie):
         return {name: tuple(tensor.shape) for name, tensor in state.items()}
 
     assert checkpoint_schema(config) == stored(llama)
-    assert checkpoint_schema(v1_config, DiffV1Conversion.layer_tensors) == stored(v1)
-    assert checkpoint_schema(v2_config, DiffV2Conversion.layer_tensors) == stored(v2)
+    assert checkpoint_schema(v1_config, DiffV1Conversion.added_tensors) == stored(v1)
+    assert checkpoint_schema(v2_config, DiffV2Conversion.added_tensors) == stored(v2)
+    assert any(name.endswith(".bias") for name in stored(v2)) == bool(biases)
 
 
 def test_progress_counts_layers_with_an_eta(tmp_path, llama_dir, capsys):

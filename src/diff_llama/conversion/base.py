@@ -13,14 +13,17 @@ from .source import SAFETENSORS_DTYPES, LlamaSource
 from .writer import StreamingSafetensorsWriter
 
 # The checkpoint's tensor schema, in one place: the tensors of one LLaMA decoder layer in the order the converter
-# writes them (shapes: `layer_shapes`), and what a converted layer adds after them. `checkpoint_schema` extends it to
-# the whole model; a test checks it against the models' own state dicts.
+# writes them (shapes: `layer_shapes`), the biases a LLaMA's config may add (`llama_layer_tensors`), and what a
+# converted layer adds after them. `checkpoint_schema` extends it to the whole model; a test checks it against the
+# models' own state dicts.
 LAYER_TENSORS = (
     "input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
     "mlp.down_proj.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
     "self_attn.o_proj.weight",
 )
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+ATTENTION_BIASES = tuple(f"self_attn.{projection}.bias" for projection in ATTENTION_PROJECTIONS)  # attention_bias
+MLP_BIASES = ("mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias")  # mlp_bias
 LAMBDA_VECTORS = tuple(f"self_attn.{name}" for name in LAMBDA_VECTOR_NAMES)  # version 1's λ, in write order
 LAMBDA_PROJ = "self_attn.lambda_proj.weight"  # DIFF V2's λ
 
@@ -40,6 +43,13 @@ def layer_shapes(config) -> dict:
         "self_attn.v_proj.weight": (kv_rows, hidden),
         "self_attn.o_proj.weight": (hidden, q_rows),
         **{name: (head_dim,) for name in LAMBDA_VECTORS},
+        "self_attn.q_proj.bias": (q_rows,),
+        "self_attn.k_proj.bias": (kv_rows,),
+        "self_attn.v_proj.bias": (kv_rows,),
+        "self_attn.o_proj.bias": (hidden,),
+        "mlp.gate_proj.bias": (intermediate,),
+        "mlp.up_proj.bias": (intermediate,),
+        "mlp.down_proj.bias": (hidden,),
     }
     if getattr(config, "diff_version", 1) == 2:  # DIFF V2: o_proj reads the H/2 differential heads; a λ projection
         differential_heads = config.num_attention_heads // 2
@@ -48,10 +58,18 @@ def layer_shapes(config) -> dict:
     return shapes
 
 
-def checkpoint_schema(config, layer_tensors=LAYER_TENSORS) -> dict:
-    """name -> shape of every tensor of a checkpoint, in write order: the LLaMA's with `LAYER_TENSORS`, a converted
-    model's with its version's `layer_tensors`. Tied embeddings store no lm_head."""
+def llama_layer_tensors(config) -> tuple:
+    """The names of one LLaMA decoder layer's tensors in write order: `LAYER_TENSORS`, then the biases its config
+    has."""
+    return (LAYER_TENSORS + (ATTENTION_BIASES if getattr(config, "attention_bias", False) else ())
+            + (MLP_BIASES if getattr(config, "mlp_bias", False) else ()))
+
+
+def checkpoint_schema(config, added_tensors: tuple = ()) -> dict:
+    """name -> shape of every tensor of a checkpoint, in write order: the LLaMA's, or a converted model's with its
+    version's `added_tensors` after each layer's LLaMA tensors. Tied embeddings store no lm_head."""
     shapes = layer_shapes(config)
+    layer_tensors = llama_layer_tensors(config) + added_tensors
     schema = {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size)}
     for layer in range(config.num_hidden_layers):
         schema.update({f"model.layers.{layer}.{name}": shapes[name] for name in layer_tensors})
@@ -87,21 +105,21 @@ class LayerOutput:
         return tensor
 
     def gather_heads(self, name: str, sources) -> None:
-        """Write a q/k/v projection made of the source's head row blocks `sources` (None: a zero head), as kernel-side
-        copies of the stored bytes where the dtype allows."""
+        """Write a q/k/v projection's weight or bias made of the source's head row blocks `sources` (None: a zero
+        head), as kernel-side copies of the stored bytes where the dtype allows."""
         shape, dtype = self.src.tensor_info(name)
         location = self.src.location(name)
         if location is not None and dtype == SAFETENSORS_DTYPES[self.dtype]:
             file, offset, length = location
             block_bytes = length // (shape[0] // self.head_dim)
-            self.writer.add_row_blocks(name, (len(sources) * self.head_dim, shape[1]), self.dtype, file, offset,
+            self.writer.add_row_blocks(name, (len(sources) * self.head_dim, *shape[1:]), self.dtype, file, offset,
                                        block_bytes, sources)
         else:
             self.add(name, gather_head_rows(self.src.get(name), sources, self.head_dim))
 
 
 def gather_head_rows(weight: torch.Tensor, sources, head_dim: int) -> torch.Tensor:
-    """Rows of a q/k/v projection, head by head (source head index, or zero rows for None)."""
+    """Rows of a q/k/v projection's weight or bias, head by head (source head index, or zero rows for None)."""
     blocks = weight.view(-1, head_dim, *weight.shape[1:])
     zero = torch.zeros_like(blocks[0])
     return torch.cat([zero if s is None else blocks[s] for s in sources], dim=0)
@@ -110,17 +128,20 @@ def gather_head_rows(weight: torch.Tensor, sources, head_dim: int) -> torch.Tens
 class VersionConversion:
     """What a version says about a conversion; the converter chooses one and then only calls its methods.
 
-    `layer_tensors`: one converted layer's tensor names in write order; `query_sources` / `kv_sources`: the LLaMA
-    head at each query / KV head position (None: a zero head); `calibrating`: whether it fits anything to text.
+    `added_tensors`: what a converted layer adds after the LLaMA's tensors (`layer_tensors`: all of one converted
+    layer's in write order); `query_sources` / `kv_sources`: the LLaMA head at each query / KV head position (None: a
+    zero head); `calibrating`: whether it fits anything to text.
     """
 
-    layer_tensors: tuple
+    added_tensors: tuple
     query_sources: tuple
     kv_sources: tuple
     calibrating: bool = False
 
     def __init__(self, source_config, options):
         self.source_config, self.options = source_config, options
+        self.source_tensors = llama_layer_tensors(source_config)
+        self.layer_tensors = self.source_tensors + self.added_tensors
         self.config = self.make_config()
 
     def heads(self) -> dict:
@@ -141,7 +162,7 @@ class VersionConversion:
 
     def write_plan(self, dtype: torch.dtype) -> list:
         """Every output tensor (name, shape, dtype) in the order the converter writes them."""
-        return [(name, shape, dtype) for name, shape in checkpoint_schema(self.config, self.layer_tensors).items()]
+        return [(name, shape, dtype) for name, shape in checkpoint_schema(self.config, self.added_tensors).items()]
 
     def streamed_tensors(self, layer: int, prefix: str, src: LlamaSource, dtype: torch.dtype) -> dict:
         """The tensors of a streamed layer that are computed rather than copied or gathered, keyed by checkpoint name
@@ -170,9 +191,9 @@ class VersionConversion:
         for name in self.layer_tensors:
             if name in computed:
                 out.add(prefix + name, computed[name])
-            elif name == "self_attn.q_proj.weight":
+            elif name.startswith("self_attn.q_proj."):
                 out.gather_heads(prefix + name, self.query_sources)
-            elif name in ("self_attn.k_proj.weight", "self_attn.v_proj.weight"):
+            elif name.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
                 out.gather_heads(prefix + name, self.kv_sources)
             else:
                 out.copy(prefix + name, keep=False)
@@ -181,7 +202,7 @@ class VersionConversion:
         """Convert one layer in memory, fit it, push the runner's streams through it and write it; returns the
         layer's diagnostics, if any."""
         prefix = f"model.layers.{layer}."
-        source_tensors = {name: out.src.get(prefix + name) for name in LAYER_TENSORS}
+        source_tensors = {name: out.src.get(prefix + name) for name in self.source_tensors}
         converted = {**source_tensors, **self.convert_attention(layer, source_tensors)}
         source_layer, converted_layer = runner.build_layers(layer, source_tensors, converted)
         diagnostics = self.fit_layer(layer, converted, runner, source_layer, converted_layer, out.dtype)

@@ -157,8 +157,6 @@ def check_options(options: ConversionOptions) -> None:
 def check_source(source: LlamaSource) -> None:
     """Every tensor the conversion needs exists with the shape the config implies, as floating-point numbers."""
     config = source.config
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        raise ConversionError("LLaMA checkpoints with attention or MLP biases are not supported yet.")
     if config.num_attention_heads % config.num_key_value_heads:
         raise ConversionError("the LLaMA's num_attention_heads is not a multiple of num_key_value_heads.")
     expected = checkpoint_schema(config)
@@ -186,6 +184,9 @@ def conversion_for(source_config, options: ConversionOptions) -> VersionConversi
     """The one place the diff version is looked at: the conversion of that version, for this LLaMA."""
     if options.diff_version == 2:
         return DiffV2Conversion(source_config, options)
+    if getattr(source_config, "attention_bias", False) or getattr(source_config, "mlp_bias", False):
+        raise ConversionError("this LLaMA has attention or MLP biases, which version 1's conversion does not take; "
+                              "DIFF V2 (the default: drop --diff-version 1) converts it exactly.")
     layout = make_layout(source_config.num_attention_heads, source_config.num_key_value_heads, options)
     return DiffV1Conversion(source_config, options, layout)
 
@@ -204,15 +205,16 @@ def tokenizer_for(src: LlamaSource, version: VersionConversion, options: Convers
     A folder's tokenizer files are copied as they are; loading the tokenizer costs time only worth paying when text is
     encoded or the tokenizer lives inside a GGUF file.
     """
-    runs_text = version.calibrating or options.evaluate
-    if not (runs_text or src.description.endswith(".gguf")):
+    needs = [(need, flag) for need, flag, asked in (("calibration", "--calibration none", version.calibrating),
+                                                    ("evaluation", "--no-evaluate", options.evaluate)) if asked]
+    if not (needs or src.description.endswith(".gguf")):
         return None
     tokenizer = load_tokenizer(src)
-    if runs_text and tokenizer is None:
-        raise ConversionError(
-            f"{src.description} has no tokenizer, which calibration and evaluation need; add the tokenizer files or "
-            "pass --calibration none --no-evaluate."
-        )
+    if needs and tokenizer is None:
+        what = " and ".join(need for need, _ in needs)
+        flags = " ".join(flag for _, flag in needs)
+        raise ConversionError(f"{src.description} has no tokenizer, which {what} "
+                              f"{'need' if len(needs) > 1 else 'needs'}; add the tokenizer files or pass {flags}.")
     return tokenizer
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..lambda_diff_llama import LAMBDA_VECTOR_NAMES, lambda_init_fn
-from .base import LAMBDA_VECTORS, LAYER_TENSORS, VersionConversion, attention_projections, gather_head_rows
+from .base import LAMBDA_VECTORS, VersionConversion, attention_projections, gather_head_rows
 from .calibration import CalibrationSettings, fold_head_norm_gain, weight_only_head_norm_eps
 from .errors import ConversionError
 
@@ -161,7 +161,7 @@ class DiffV1Conversion(VersionConversion):
     """The paper's differential attention: LLaMA heads placed by a head layout, λ vectors started at 0 (or the paper's
     initialisation), and the head norm absorbed by calibration on text (lstsq or scale) or estimated from the weights."""
 
-    layer_tensors = LAYER_TENSORS + LAMBDA_VECTORS
+    added_tensors = LAMBDA_VECTORS
 
     def __init__(self, source_config, options, layout: HeadLayout):
         self.layout = layout

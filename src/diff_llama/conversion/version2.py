@@ -6,11 +6,14 @@ so differential head j outputs O_j − 0.5·O_j = 0.5·O_j and the doubled o_pro
 Nothing is fitted, so there is no calibration: every tensor is a copy, a row-block gather or a doubling, and the
 converted model computes the LLaMA's function up to floating-point rounding. Training leaves this point at once: the
 two maps of a pair receive +1 and −0.5 times the same gradient signal, and lambda_proj a non-zero one.
+
+A LLaMA's biases (`attention_bias`, `mlp_bias`) come along: q_proj's is paired as its rows are, the others are copied
+(o_proj's is not doubled: it is added after the doubled product).
 """
 
 import torch
 
-from .base import LAMBDA_PROJ, LAYER_TENSORS, VersionConversion, attention_projections
+from .base import LAMBDA_PROJ, VersionConversion, attention_projections, gather_head_rows
 
 
 def paired_query_sources(source_heads: int) -> tuple:
@@ -45,7 +48,7 @@ def convert_attention_weights_v2(q_proj, k_proj, v_proj, o_proj, head_dim: int) 
 class DiffV2Conversion(VersionConversion):
     """DIFF V2, exact: maps 2j and 2j+1 are LLaMA head j, λ = 0.5, o_proj doubled; nothing to fit."""
 
-    layer_tensors = LAYER_TENSORS + (LAMBDA_PROJ,)
+    added_tensors = (LAMBDA_PROJ,)
 
     def __init__(self, source_config, options):
         super().__init__(source_config, options)
@@ -63,5 +66,10 @@ class DiffV2Conversion(VersionConversion):
         }
 
     def convert_attention(self, layer, attention):
-        converted = convert_attention_weights_v2(*attention_projections(attention), self.source_config.head_dim)
-        return {f"self_attn.{name}.weight": tensor for name, tensor in converted.items()}
+        head_dim = self.source_config.head_dim
+        converted = convert_attention_weights_v2(*attention_projections(attention), head_dim)
+        converted = {f"self_attn.{name}.weight": tensor for name, tensor in converted.items()}
+        if "self_attn.q_proj.bias" in attention:  # paired like q_proj's rows; k/v/o biases stay the LLaMA's
+            converted["self_attn.q_proj.bias"] = gather_head_rows(attention["self_attn.q_proj.bias"],
+                                                                  self.query_sources, head_dim)
+        return converted
