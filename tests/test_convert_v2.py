@@ -24,6 +24,16 @@ def _inputs(vocab, seed=0):
     return input_ids, attention_mask
 
 
+def _assert_float64_logits_match(llama, converted, vocab):
+    """The two float64 models' logits on a left-padded batch (padding excluded), to the tolerance of exact maths."""
+    input_ids, attention_mask = _inputs(vocab)
+    real = attention_mask.bool()
+    with torch.no_grad():
+        expected = llama(input_ids, attention_mask=attention_mask).logits
+        logits = converted(input_ids, attention_mask=attention_mask).logits
+    torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1), (8, 2), (6, 6)])
 def test_converted_model_computes_the_llama_function(tmp_path, tokenizer, heads, kv_heads):
     source = make_llama(tmp_path / "llama", tokenizer, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -69,12 +79,7 @@ def test_a_llama_with_biases_converts_exactly(tmp_path, tokenizer, evaluate):
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "v2", dtype=torch.float64).eval()
     assert converted.config.attention_bias and converted.config.mlp_bias
     assert torch.equal(converted.model.layers[1].self_attn.o_proj.bias, llama.model.layers[1].self_attn.o_proj.bias)
-    input_ids, attention_mask = _inputs(len(tokenizer))
-    real = attention_mask.bool()
-    with torch.no_grad():
-        expected = llama(input_ids, attention_mask=attention_mask).logits
-        logits = converted(input_ids, attention_mask=attention_mask).logits
-    torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=1e-6)
+    _assert_float64_logits_match(llama, converted, len(tokenizer))
     if evaluate:
         assert report.quality["kl_source_to_converted"] < 1e-8
 
@@ -106,12 +111,8 @@ def test_a_checkpoint_stored_in_several_dtypes_converts_exactly(tmp_path, tokeni
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "v2", dtype=torch.float64).eval()
     for name, tensor in mixed.items():  # loaded in float64, the source's own values
         assert torch.equal(llama.state_dict()[name], tensor.double()), name
-    input_ids, attention_mask = _inputs(len(tokenizer))
-    real = attention_mask.bool()
-    with torch.no_grad():
-        expected = llama(input_ids, attention_mask=attention_mask).logits
-        logits = converted(input_ids, attention_mask=attention_mask).logits
-    torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=1e-6)
+    _assert_float64_logits_match(llama, converted, len(tokenizer))
+
 
 def test_weights_follow_the_spec_and_streaming_writes_the_same_bytes(tmp_path, tokenizer):
     source = make_llama(tmp_path / "llama", tokenizer)  # H = 9, G = 3, head_dim 8
