@@ -73,3 +73,31 @@ def test_head_norm_eps_defaults_to_rms_norm_eps_and_may_be_per_layer(tmp_path):
     config.save_pretrained(tmp_path)
     loaded = DiffLlamaConfig.from_pretrained(tmp_path)
     assert [loaded.head_norm_epsilon(i) for i in range(3)] == [0.5, 2.0, 8.0]
+
+
+def test_a_llama_checkpoint_loaded_as_it_is_says_to_convert_it(tmp_path, tokenizer):
+    """`DiffLlamaForCausalLM.from_pretrained(a_llama)` builds a model that does not compute the LLaMA's function: the
+    warning names the command that does. A DiffLlama folder, converted or saved by transformers' built-in class, loads
+    without it."""
+    from transformers import DiffLlamaConfig as BuiltinConfig
+    from transformers import DiffLlamaForCausalLM as BuiltinModel
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging
+
+    from conftest import make_llama
+    from diff_llama import configuration_diff_llama
+    from diff_llama.conversion.converter import ConversionOptions, convert_llama_to_diff_llama
+
+    llama = make_llama(tmp_path / "llama", tokenizer, num_attention_heads=8, num_key_value_heads=2, hidden_size=64)
+    convert_llama_to_diff_llama(str(llama), str(tmp_path / "v2"), ConversionOptions(evaluate=False), progress=False)
+    BuiltinModel(BuiltinConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path / "builtin")
+    logger = logging.get_logger(configuration_diff_llama.__name__)
+    with CaptureLogger(logger) as captured:
+        DiffLlamaForCausalLM.from_pretrained(llama)
+    assert f"{llama} is a LLaMA checkpoint" in captured.out
+    assert f"convert it first (`diff-llama convert {llama} OUT`" in captured.out
+    for folder in ("v2", "builtin"):
+        with CaptureLogger(logger) as captured:
+            DiffLlamaForCausalLM.from_pretrained(tmp_path / folder)
+        assert captured.out == "", folder

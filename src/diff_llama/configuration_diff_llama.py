@@ -28,6 +28,9 @@ def require_transformers(version: str = transformers.__version__) -> None:
 require_transformers()
 
 from transformers import PreTrainedConfig  # noqa: E402  (after the version check)
+from transformers.utils import logging  # noqa: E402
+
+logger = logging.get_logger(__name__)
 
 # The code a saved model ships with, so that it loads with `trust_remote_code=True` where this package is not
 # installed: this file, the modeling file and the siblings the modeling file imports. Saving, converting and pushing
@@ -178,6 +181,21 @@ class DiffLlamaConfig(PreTrainedConfig):
         # A built-in `diffllama` config.json names its own model_type; this class's is the one that applies.
         kwargs.pop("model_type", None)
         super().__init__(**kwargs)
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if config_dict.get("model_type") == "llama":
+            # `DiffLlamaForCausalLM.from_pretrained(a_llama)` builds a model, but not the LLaMA's function;
+            # transformers' own warning for another model_type does not say what to do instead.
+            logger.warning(
+                f"{pretrained_model_name_or_path} is a LLaMA checkpoint: loaded into DiffLlama as it is, its "
+                "attention heads are paired into differential heads beside untrained λ, which does not compute the "
+                "LLaMA's function. To keep what the LLaMA knew, convert it first (`diff-llama convert "
+                f"{pretrained_model_name_or_path} OUT`, or diff_llama.conversion.converter.convert_llama_to_diff_llama) "
+                "and load OUT."
+            )
+        return config_dict, kwargs
 
     @property
     def base_model_tp_plan(self) -> dict[str, str]:
