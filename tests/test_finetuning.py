@@ -1,6 +1,7 @@
 """Fine-tuning with the real Trainer and PEFT LoRA (λ in the adapter), `diff-llama train` with checkpoints and resume,
 recovery by distillation, and multi-process training."""
 
+import inspect
 import json
 import math
 import subprocess
@@ -13,7 +14,7 @@ import torch
 import transformers
 from conftest import SAMPLE_TEXT, LayerZeroQueries, differential_model, make_llama, needs_fullgraph_compile, tiny_model
 from packaging import version
-from peft import PeftModel, get_peft_model
+from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
@@ -82,6 +83,30 @@ def test_lora_trains_lambda_saves_it_in_the_adapter_and_merges_exactly(tmp_path,
     assert f"model.layers.0.self_attn.{LAMBDA_NAME[version]}" in load_file(tmp_path / "merged" / "model.safetensors")
     final = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     torch.testing.assert_close(final(ids).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_an_adapter_without_a_task_type_loads_with_peft_when_diff_llama_is_allowed(tmp_path, saved_model):
+    """docs/fine-tuning.md: a LoraConfig without `task_type` records the model's class by its module, which
+    AutoPeftModelForCausalLM imports only when its allowlist has it; then it loads the trained λ with the LoRA."""
+    config = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], modules_to_save=["differential_lambda"])
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(saved_model), config)
+    torch.manual_seed(1)
+    with torch.no_grad():  # as if trained: LoRA's B (zeros at first) and λ away from their start
+        for name, parameter in model.named_parameters():
+            if parameter.requires_grad:
+                parameter.add_(0.1 * torch.randn_like(parameter))
+    model.save_pretrained(tmp_path / "adapter")
+    ids = torch.tensor([[5, 9, 14, 3, 7, 11]])
+    with torch.no_grad():
+        expected = model.eval()(ids).logits
+        assert (expected - AutoModelForCausalLM.from_pretrained(saved_model)(ids).logits).abs().max() > 1e-3
+        if "import_allowlist" in inspect.signature(AutoPeftModelForCausalLM.from_pretrained).parameters:
+            with pytest.raises(ValueError, match="import_allowlist=\\['diff_llama.modeling_diff_llama'\\]"):
+                AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter")
+            loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter", import_allowlist=["diff_llama"])
+        else:  # a peft from before its allowlist imports the module as it is
+            loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter")
+        torch.testing.assert_close(loaded.eval()(ids).logits, expected)
 
 
 def test_lora_on_the_mlp_when_asked():
@@ -433,7 +458,9 @@ def test_a_lora_run_loads_wherever_a_model_does(tmp_path, saved_model, capsys, m
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "merged")(ids).logits
         base = AutoModelForCausalLM.from_pretrained(saved_model)(ids).logits
         native = AutoModelForCausalLM.from_pretrained(adapter)(ids).logits  # transformers' own adapter loading
+        by_peft = AutoPeftModelForCausalLM.from_pretrained(adapter)(ids).logits  # peft's (the task type names the class)
     torch.testing.assert_close(loaded, merged, rtol=0, atol=1e-4)
+    torch.testing.assert_close(by_peft, merged, rtol=0, atol=1e-4)
     if version.parse(transformers.__version__) >= version.parse("5.18"):  # 5.16, 5.17: LoRA loaded but not λ
         torch.testing.assert_close(loaded, native, rtol=0, atol=1e-4)
     assert (loaded - base).abs().max() > 1e-2  # what training changed is there
