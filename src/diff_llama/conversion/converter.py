@@ -205,16 +205,18 @@ def tokenizer_for(src: LlamaSource, version: VersionConversion, options: Convers
     A folder's tokenizer files are copied as they are; loading the tokenizer costs time only worth paying when text is
     encoded or the tokenizer lives inside a GGUF file.
     """
-    needs = [(need, flag) for need, flag, asked in (("calibration", "--calibration none", version.calibrating),
-                                                    ("evaluation", "--no-evaluate", options.evaluate)) if asked]
+    needs = {}  # what runs text -> the flag that turns it off
+    if version.calibrating:
+        needs["calibration"] = "--calibration none"
+    if options.evaluate:
+        needs["evaluation"] = "--no-evaluate"
     if not (needs or src.description.endswith(".gguf")):
         return None
     tokenizer = load_tokenizer(src)
     if needs and tokenizer is None:
-        what = " and ".join(need for need, _ in needs)
-        flags = " ".join(flag for _, flag in needs)
-        raise ConversionError(f"{src.description} has no tokenizer, which {what} "
-                              f"{'need' if len(needs) > 1 else 'needs'}; add the tokenizer files or pass {flags}.")
+        raise ConversionError(f"{src.description} has no tokenizer, which {' and '.join(needs)} "
+                              f"{'need' if len(needs) > 1 else 'needs'}; add the tokenizer files or pass "
+                              f"{' '.join(needs.values())}.")
     return tokenizer
 
 
