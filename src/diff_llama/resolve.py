@@ -471,6 +471,10 @@ def _load(auto_class, location: ModelLocation, **kwargs):
     from safetensors import SafetensorError
 
     try:
+        if location.gguf_file and auto_class.__name__ == "AutoModelForCausalLM":
+            from .gguf_llama import load_gguf_causal_lm  # a LLaMA's biases and RoPE scaling read too
+
+            return load_gguf_causal_lm(Path(location.name_or_path) / location.gguf_file, **kwargs)
         return auto_class.from_pretrained(location.name_or_path, **location.from_pretrained_kwargs(), **kwargs)
     except SafetensorError as error:  # a cut-short file that `check_weights` did not see (a Hub cache's copy)
         raise ModelNotFoundError(f"{location.description} is truncated or corrupt ({_one_line(error)}); copy or "

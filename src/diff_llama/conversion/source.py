@@ -11,8 +11,10 @@ from pathlib import Path
 import huggingface_hub
 import torch
 from huggingface_hub.repocard import metadata_load
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, LlamaConfig
 
+from ..errors import UserError
+from ..gguf_llama import load_gguf_causal_lm
 from ..resolve import (LICENSE_FILE_STEMS, TOKENIZER_FILE_NAMES, ModelNotFoundError, adapter_refusal, check_hub_model,
                        is_adapter_folder, license_files, resolve_model)
 from .errors import ConversionError
@@ -240,7 +242,9 @@ def _open_gguf(path: Path) -> LlamaSource:
         raise ConversionError(unreadable.format(error)) from None
     _check_llama(config.model_type, getattr(config, "architectures", None), str(path))
     try:
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        model = load_gguf_causal_lm(path, dtype=torch.float32)
+    except UserError:  # what the file holds that a LLaMA cannot, already said in one line
+        raise
     except (OSError, ValueError, struct.error) as error:  # the header was read, the tensors are cut short
         raise ConversionError(unreadable.format(error)) from None
     model.config.quantization_config = None
