@@ -105,6 +105,21 @@ def test_the_commands_that_run_a_gguf_llama_read_it_whole_too(tmp_path):
         torch.testing.assert_close(loaded(input_ids).logits, source.double()(input_ids).logits, rtol=0, atol=1e-6)
 
 
+def test_diff_llama_serve_loads_a_gguf_llama_whole(tmp_path):
+    """`diff-llama serve model.gguf`: the server's loader (in the model's process) reads the file as convert does."""
+    model_manager = pytest.importorskip("transformers.cli.serving.model_manager", exc_type=ImportError)
+    if not hasattr(model_manager, "ModelLoader"):
+        pytest.skip("transformers serve before 5.25 loads models without a ModelLoader, which diff-llama serve extends")
+    from diff_llama.serving_loader import DiffLlamaModelLoader
+
+    source = llama(biases=("q_proj", "v_proj"), attention_bias=True, rope_parameters=LLAMA_3)
+    write_llama_gguf(source, tmp_path / "llama.gguf")
+    served = DiffLlamaModelLoader(device="cpu", dtype="float32")._load_model(f"{tmp_path}:llama.gguf").eval()
+    input_ids = torch.arange(300).remainder(SHAPE["vocab_size"])[None]
+    with torch.no_grad():
+        torch.testing.assert_close(served(input_ids).logits, source(input_ids).logits, rtol=0, atol=1e-4)
+
+
 def test_a_plain_gguf_llama_still_converts_exactly(tmp_path):
     source = llama(tie_word_embeddings=True)
     converted = converted_logits_match(source, write_llama_gguf(source, tmp_path / "llama.gguf"), tmp_path / "out")

@@ -12,7 +12,7 @@ the LLaMA's function:
 `load_gguf_causal_lm` puts all three back into the config before the model is loaded (`gguf_llama_config`); any other
 tensor a LLaMA does not have, and any other RoPE scaling, is refused (the fix: use the Transformers checkpoint). The
 converter reads its GGUF sources so, and so do the commands that load a GGUF LLaMA to run it (evaluate, ruler,
-attention-map, adapt: `resolve.load_causal_lm`).
+attention-map, adapt: `resolve.load_causal_lm`; serve: `serving_loader`).
 """
 
 import copy

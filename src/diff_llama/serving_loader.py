@@ -7,11 +7,14 @@ registers the Auto classes there too), apart from `diff_llama.serving`, which `d
 without transformers' server.
 """
 
+from pathlib import Path
+
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.cli.serving.model_manager import ModelLoader
 from transformers.cli.serving.utils import parse_model_id
 
 from .configuration_diff_llama import DiffLlamaConfig
+from .gguf_llama import load_gguf_causal_lm
 from .resolve import adapter_base, find_model, is_adapter_folder, load_causal_lm, load_tokenizer
 
 
@@ -19,8 +22,8 @@ class DiffLlamaModelLoader(ModelLoader):
     """transformers serve's loader. A DiffLlama loads with this package's classes (transformers' own loader takes the
     class named in config.json from transformers' namespace: the built-in `diffllama`, another model), or with
     `trust_remote_code` with the code saved in its folder; its processor is its tokenizer. A LoRA adapter folder
-    loads on its base, merged into it: one plain model, as fast as the base. Any other model loads as transformers
-    serve loads it."""
+    loads on its base, merged into it: one plain model, as fast as the base. A local GGUF file loads whole
+    (`gguf_llama`: a LLaMA's biases and RoPE scaling too). Any other model loads as transformers serve loads it."""
 
     def load_config(self, model_id: str):
         """An adapter folder's are its base's."""
@@ -44,6 +47,12 @@ class DiffLlamaModelLoader(ModelLoader):
         if gguf_file is None and is_adapter_folder(repo):
             return load_causal_lm(repo, dtype=self.dtype, device_map=self.device,
                                   attn_implementation=self.attn_implementation)
+        if gguf_file is not None and (Path(repo) / gguf_file).is_file():
+            # transformers' loader would skip a LLaMA's biases and RoPE scaling in the file (`gguf_llama`)
+            quantization = {"quantization_config": config} if (config := self.get_quantization_config()) else {}
+            return load_gguf_causal_lm(Path(repo) / gguf_file, dtype=self.dtype, device_map=self.device,
+                                       attn_implementation=self.attn_implementation, tqdm_class=tqdm_class,
+                                       **quantization)
         config = None if gguf_file is not None else self._config(repo, revision)
         if config is None or not is_diff_llama(config):
             return super()._load_model(model_id, tqdm_class=tqdm_class, progress_callback=progress_callback)
