@@ -150,8 +150,13 @@ def test_a_tensor_a_llama_does_not_have_is_refused_by_name(tmp_path, capsys):
 def test_a_rope_scaling_it_cannot_read_is_refused(tmp_path, capsys):
     gguf_file = write_llama_gguf(llama(), tmp_path / "yarn.gguf", rope_metadata={"type": "yarn", "factor": 4.0})
     assert _refused(tmp_path, capsys, gguf_file) == (
-        "uses RoPE scaling 'yarn' (llama.rope.scaling.type), which the converter cannot read from "
+        "uses RoPE scaling 'yarn' (llama.rope.scaling.type), which diff-llama cannot read from "
         "a GGUF file; use the model's Transformers checkpoint (its folder or Hub id) instead.")
+
+
+def test_linear_rope_scaling_without_a_factor_is_refused(tmp_path, capsys):
+    gguf_file = write_llama_gguf(llama(), tmp_path / "linear.gguf", rope_metadata={"type": "linear"})
+    assert _refused(tmp_path, capsys, gguf_file).startswith("uses RoPE scaling 'linear' without a factor ")
 
 
 def test_rope_divisors_no_llama_3_scaling_gives_are_refused(tmp_path, capsys):

@@ -96,11 +96,9 @@ def gguf_llama_config(config: LlamaConfig, contents: GGUFContents, where: str) -
     unknown = sorted(names - known)
     if unknown:
         listed = ", ".join(unknown[:4]) + (f" and {len(unknown) - 4} more" if len(unknown) > 4 else "")
-        raise UserError(f"{where} holds tensors a LLaMA does not have ({listed}), which transformers' GGUF "
-                              "reader would skip, so the model would lose them; "
-                              f"{USE_TRANSFORMERS_CHECKPOINT}.")
-    scaling = {**config.rope_parameters, **_rope_scaling(config, contents, where)}
-    config.rope_parameters = scaling
+        raise UserError(f"{where} holds tensors a LLaMA does not have ({listed}), which transformers' GGUF reader "
+                        f"would skip, so the model would lose them; {USE_TRANSFORMERS_CHECKPOINT}.")
+    config.rope_parameters = {**config.rope_parameters, **_rope_scaling(config, contents, where)}
     return config
 
 
@@ -109,15 +107,16 @@ def _rope_scaling(config: LlamaConfig, contents: GGUFContents, where: str) -> di
     kind = contents.rope_scaling.get("type", "none")
     if contents.rope_divisors is not None and any(divisor != 1.0 for divisor in contents.rope_divisors):
         if kind not in ("none", "llama3"):
-            raise UserError(f"{where} scales RoPE twice (rope_freqs.weight and llama.rope.scaling.type "
-                                  f"{kind!r}); {USE_TRANSFORMERS_CHECKPOINT}.")
+            raise UserError(f"{where} scales RoPE twice (rope_freqs.weight and llama.rope.scaling.type {kind!r}); "
+                            f"{USE_TRANSFORMERS_CHECKPOINT}.")
         return _llama3_parameters(config, contents.rope_divisors, where)
     if kind == "none":
         return {}
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": float(contents.rope_scaling["factor"])}
-    raise UserError(f"{where} uses RoPE scaling {kind!r} (llama.rope.scaling.type), which the converter cannot "
-                          f"read from a GGUF file; {USE_TRANSFORMERS_CHECKPOINT}.")
+    if kind == "linear" and isinstance(factor := contents.rope_scaling.get("factor"), (int, float)):
+        return {"rope_type": "linear", "factor": float(factor)}
+    unreadable = f"{kind!r} without a factor" if kind == "linear" else repr(kind)
+    raise UserError(f"{where} uses RoPE scaling {unreadable} (llama.rope.scaling.type), which diff-llama cannot read "
+                    f"from a GGUF file; {USE_TRANSFORMERS_CHECKPOINT}.")
 
 
 def _llama3_parameters(config: LlamaConfig, divisors: tuple, where: str) -> dict:
@@ -139,8 +138,8 @@ def _llama3_parameters(config: LlamaConfig, divisors: tuple, where: str) -> dict
                 return parameters
     finally:
         transformers_logging.set_verbosity(verbosity)
-    raise UserError(f"{where} scales RoPE by rope_freqs.weight in a way Llama 3's RoPE scaling does not "
-                          f"reproduce; {USE_TRANSFORMERS_CHECKPOINT}.")
+    raise UserError(f"{where} scales RoPE by rope_freqs.weight in a way Llama 3's RoPE scaling does not reproduce; "
+                    f"{USE_TRANSFORMERS_CHECKPOINT}.")
 
 
 def _llama3_candidates(divisors: tuple, wavelengths: list):
