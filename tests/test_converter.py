@@ -226,6 +226,22 @@ def test_shape_mismatch_and_missing_tensor(tmp_path, llama_dir):
     _expect_error(tmp_path, llama_dir, "lacks")
 
 
+def test_a_tensor_the_config_does_not_account_for_is_refused_not_dropped(tmp_path, llama_dir):
+    """A norm a LLaMA has no place for (another architecture labelled llama), or a layer past num_hidden_layers,
+    would vanish from the converted model; an old checkpoint's rotary buffer holds nothing and converts."""
+    from safetensors.torch import save_file
+
+    weights = load_file(llama_dir / "model.safetensors")
+    save_file({**weights, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)},
+              llama_dir / "model.safetensors", metadata={"format": "pt"})
+    convert_llama_to_diff_llama(str(llama_dir), str(tmp_path / "converted"), ConversionOptions(**FAST), progress=False)
+    for extra in ("model.layers.0.self_attn.q_norm.weight", "model.layers.3.input_layernorm.weight"):
+        save_file({**weights, extra: torch.ones(8)}, llama_dir / "model.safetensors", metadata={"format": "pt"})
+        _expect_error(tmp_path, llama_dir, rf"^the checkpoint holds 1 tensor\(s\) that a LLaMA of its config.json "
+                                           rf"does not have, e\.g\. {re.escape(extra)}, and the converted model would "
+                                           "lose them")
+
+
 def test_odd_heads_with_padding_disabled(tmp_path, llama_dir):
     _expect_error(tmp_path, llama_dir, "odd number of query heads", head_layout="split", pad_odd_heads=False)
 

@@ -155,7 +155,8 @@ def check_options(options: ConversionOptions) -> None:
 
 
 def check_source(source: LlamaSource) -> None:
-    """Every tensor the conversion needs exists with the shape the config implies, as floating-point numbers."""
+    """Every tensor the conversion needs exists with the shape the config implies, as floating-point numbers, and
+    the checkpoint holds nothing else that carries weights."""
     config = source.config
     if config.num_attention_heads % config.num_key_value_heads:
         raise ConversionError("the LLaMA's num_attention_heads is not a multiple of num_key_value_heads.")
@@ -178,6 +179,18 @@ def check_source(source: LlamaSource) -> None:
                 f"{name} is stored as {dtype}; the converter needs floating-point weights (F32, F16, BF16). "
                 "Dequantize the checkpoint first."
             )
+    # A tensor the config does not account for would not reach the converted model: refused, not dropped. Old
+    # checkpoints' rotary buffers hold nothing (recomputed from the config), and a tied model's stored lm_head is what
+    # transformers ties away too.
+    unused = sorted(name for name in names - set(expected)
+                    if not name.endswith(".rotary_emb.inv_freq") and name != "lm_head.weight")
+    if unused:
+        raise ConversionError(
+            f"the checkpoint holds {len(unused)} tensor(s) that a LLaMA of its config.json does not have, e.g. "
+            f"{unused[0]}, and the converted model would lose them: config.json does not describe these weights "
+            "(more layers than num_hidden_layers, or another architecture labelled llama); the converter takes "
+            "LlamaForCausalLM checkpoints only."
+        )
 
 
 def conversion_for(source_config, options: ConversionOptions) -> VersionConversion:
