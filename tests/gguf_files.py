@@ -43,9 +43,10 @@ def llama3_rope_divisors(rope: dict, head_dim: int) -> np.ndarray:
 
 
 def write_llama_gguf(model, path: Path, extra_tensors: dict | None = None, rope_metadata: dict | None = None,
-                     skip: tuple = ()) -> Path:
+                     skip: tuple = (), file_type: bool = True) -> Path:
     """Write `model` (a LlamaForCausalLM) to `path`; `extra_tensors` adds tensors under their GGUF names, `skip`
-    leaves some out, and `rope_metadata` sets `llama.rope.scaling.*` fields ({"type": "linear", "factor": 2.0})."""
+    leaves some out, `rope_metadata` sets `llama.rope.scaling.*` fields ({"type": "linear", "factor": 2.0}), and
+    `file_type=False` leaves out `general.file_type` (which llama.cpp writes; other writers may not)."""
     import gguf
 
     config = model.config
@@ -53,7 +54,8 @@ def write_llama_gguf(model, path: Path, extra_tensors: dict | None = None, rope_
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     rope = config.rope_parameters
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if file_type:
+        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)

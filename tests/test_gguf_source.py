@@ -126,6 +126,17 @@ def test_a_plain_gguf_llama_still_converts_exactly(tmp_path):
     assert converted.config.rope_parameters["rope_type"] == "default" and not converted.config.attention_bias
 
 
+def test_a_gguf_file_without_a_vocabulary_or_file_type_is_told_from_an_unreadable_one(tmp_path, capsys):
+    """A file that states no licence, file type or vocabulary still states its architecture: it has no tokenizer
+    (the converter's one line naming the flag), where it was a traceback from transformers' tokenizer builder."""
+    source = llama()
+    gguf_file = write_llama_gguf(source, tmp_path / "bare.gguf", file_type=False)
+    assert main(["convert", str(gguf_file), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"{gguf_file} has no tokenizer, which evaluation needs; add the "
+                                                    "tokenizer files or pass --no-evaluate.")
+    converted_logits_match(source, gguf_file, tmp_path / "out")
+
+
 def _refused(tmp_path, capsys, gguf_file) -> str:
     """convert's one line for `gguf_file`, after its `diff-llama convert: error: <file>`; nothing written."""
     assert main(["convert", str(gguf_file), str(tmp_path / "out"), "--no-evaluate"]) == 2

@@ -316,8 +316,10 @@ def _gguf_metadata(path: Path, size: int, mtime: float) -> dict:
 
     # Reading the metadata parses the whole vocabulary (seconds): once per file, for licence, type and tokenizer.
     fields = GGUFReader(path).fields
-    return {key: fields[key].contents() for key in ("general.license", "general.file_type", "tokenizer.ggml.model")
-            if key in fields}
+    # general.architecture, which every GGUF file states: a file read is never empty, so a file without a vocabulary
+    # is told from one whose metadata could not be read (`gguf_has_tokenizer`)
+    keys = ("general.architecture", "general.license", "general.file_type", "tokenizer.ggml.model")
+    return {key: fields[key].contents() for key in keys if key in fields}
 
 
 def gguf_has_tokenizer(path: Path) -> bool:
@@ -327,8 +329,8 @@ def gguf_has_tokenizer(path: Path) -> bool:
 
 
 def _gguf_fields(path: Path) -> dict:
-    """The `general.license`, `general.file_type` and `tokenizer.ggml.model` of a GGUF file; empty where it cannot be
-    read."""
+    """The `general.architecture`, `general.license`, `general.file_type` and `tokenizer.ggml.model` of a GGUF file;
+    empty where it cannot be read."""
     try:
         stat = path.stat()
         return _gguf_metadata(path, stat.st_size, stat.st_mtime)
