@@ -49,10 +49,10 @@ class DiffLlamaModelLoader(ModelLoader):
                                   attn_implementation=self.attn_implementation)
         if gguf_file is not None and (Path(repo) / gguf_file).is_file():
             # transformers' loader would skip a LLaMA's biases and RoPE scaling in the file (`gguf_llama`)
-            quantization = {"quantization_config": config} if (config := self.get_quantization_config()) else {}
+            quantization = self.get_quantization_config()
             return load_gguf_causal_lm(Path(repo) / gguf_file, dtype=self.dtype, device_map=self.device,
                                        attn_implementation=self.attn_implementation, tqdm_class=tqdm_class,
-                                       **quantization)
+                                       **({"quantization_config": quantization} if quantization else {}))
         config = None if gguf_file is not None else self._config(repo, revision)
         if config is None or not is_diff_llama(config):
             return super()._load_model(model_id, tqdm_class=tqdm_class, progress_callback=progress_callback)
