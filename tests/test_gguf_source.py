@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from diff_llama.cli import main
+from diff_llama.errors import UserError
 from diff_llama.conversion.converter import ConversionOptions, convert_llama_to_diff_llama
 from gguf_files import write_llama_gguf
 
@@ -135,6 +136,24 @@ def test_a_gguf_file_without_a_vocabulary_or_file_type_is_told_from_an_unreadabl
     assert capsys.readouterr().err.strip().endswith(f"{gguf_file} has no tokenizer, which evaluation needs; add the "
                                                     "tokenizer files or pass --no-evaluate.")
     converted_logits_match(source, gguf_file, tmp_path / "out")
+
+
+def test_the_commands_that_run_a_gguf_file_refuse_it_in_the_same_one_line(tmp_path, capsys):
+    """evaluate, on a file with a tensor a LLaMA lacks: convert's line, not "cannot be read ... download it again";
+    and on a file without a vocabulary, which it needs to read text: a line that says so."""
+    import numpy as np
+
+    gguf_file = write_llama_gguf(llama(), tmp_path / "moe.gguf", extra_tensors={
+        "blk.0.ffn_gate_inp.weight": np.zeros((4, SHAPE["hidden_size"]), dtype=np.float32)})
+    from diff_llama.resolve import load_causal_lm
+
+    with pytest.raises(UserError, match=r"holds tensors a LLaMA does not have \(blk\.0\.ffn_gate_inp\.weight\)"):
+        load_causal_lm(gguf_file)
+    assert main(["evaluate", str(gguf_file), "--output", str(tmp_path / "evaluated")]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        f"{gguf_file} holds no vocabulary (no tokenizer.ggml.model), which this command needs to read text; give the "
+        "model's GGUF file with its tokenizer, or its folder.")
+    assert not (tmp_path / "evaluated").exists()
 
 
 def _refused(tmp_path, capsys, gguf_file) -> str:

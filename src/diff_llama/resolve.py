@@ -186,7 +186,15 @@ def check_model_folder(location: ModelLocation, tokenizer: bool = False, weights
     on such folders while building a tokenizer and blames a missing sentencepiece or tiktoken, which is never the
     fix. A LoRA adapter folder passes when `adapters` (its base model is checked in its place), and is refused
     otherwise."""
-    if not location.is_local or location.gguf_file:
+    if location.gguf_file:
+        from .conversion.source import gguf_has_tokenizer  # (the converter's GGUF metadata, read once per file)
+
+        if tokenizer and not gguf_has_tokenizer(Path(location.name_or_path) / location.gguf_file):
+            raise MissingTokenizerError(f"{location.description} holds no vocabulary (no tokenizer.ggml.model), which "
+                                        "this command needs to read text; give the model's GGUF file with its "
+                                        "tokenizer, or its folder.")
+        return
+    if not location.is_local:
         return
     folder = Path(location.name_or_path)
     if location.is_adapter:
@@ -482,6 +490,8 @@ def _load(auto_class, location: ModelLocation, **kwargs):
     except OSError as error:  # what transformers raises for a missing file or an unreachable Hub
         where = "folder" if location.is_local else "Hub repository"
         raise ModelNotFoundError(f"cannot load {location.description} ({where}): {_one_line(error)}") from error
+    except UserError:  # what a GGUF LLaMA holds that a LLaMA cannot (`gguf_llama`), said in one line already
+        raise
     except (ValueError, struct.error) as error:
         if not location.gguf_file:
             raise
