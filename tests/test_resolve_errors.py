@@ -373,7 +373,7 @@ def test_each_gguf_file_is_parsed_once_within_the_block(tmp_path):
     """transformers parses a GGUF header for the config, the model and the tokenizer; convert shares one parse per
     file (the real SmolLM2 conversion: once instead of five times)."""
     gguf = pytest.importorskip("gguf")
-    from diff_llama.resolve import each_gguf_parsed_once
+    from diff_llama.gguf_metadata import each_gguf_parsed_once
 
     first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
     _write_gguf(first, "a")

@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.utils import logging as transformers_logging
 
 from .errors import UserError
-from .resolve import each_gguf_parsed_once
+from .gguf_metadata import each_gguf_parsed_once
 
 ATTENTION_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output")
 MLP_TENSORS = ("ffn_gate", "ffn_up", "ffn_down")

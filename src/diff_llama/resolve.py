@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InputNotFoundError, UserError
+from .gguf_metadata import gguf_has_tokenizer
 
 SMOLLM2 = "smollm2"
 
@@ -115,36 +116,6 @@ def check_gguf_magic(path: Path) -> None:
                                  "file, a model folder or a Hub id.")
 
 
-@contextlib.contextmanager
-def each_gguf_parsed_once():
-    """Within the block, every `gguf.GGUFReader` of one file is the same reader. transformers parses a GGUF file's
-    whole header (its vocabulary: seconds for a small model) once for the config, again for the model and again for
-    the tokenizer; the reader only reads its memory-mapped file, so one parse serves them all. Without `gguf`
-    installed, nothing changes."""
-    try:
-        import gguf
-    except ImportError:
-        yield
-        return
-    parse = gguf.GGUFReader
-    readers = {}
-
-    def shared_reader(path, *args, **kwargs):
-        if args or kwargs:  # another mode than read-only: its own reader
-            return parse(path, *args, **kwargs)
-        stat = os.stat(path)
-        key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
-        if key not in readers:
-            readers[key] = parse(path)
-        return readers[key]
-
-    gguf.GGUFReader = shared_reader
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = parse
-
-
 def require_gguf() -> None:
     """transformers reads GGUF files through the `gguf` package, an optional dependency of diff-llama."""
     import importlib.util
@@ -187,8 +158,6 @@ def check_model_folder(location: ModelLocation, tokenizer: bool = False, weights
     fix. A LoRA adapter folder passes when `adapters` (its base model is checked in its place), and is refused
     otherwise."""
     if location.gguf_file:
-        from .conversion.source import gguf_has_tokenizer  # (the converter's GGUF metadata, read once per file)
-
         if tokenizer and not gguf_has_tokenizer(Path(location.name_or_path) / location.gguf_file):
             raise MissingTokenizerError(f"{location.description} holds no vocabulary (no tokenizer.ggml.model), which "
                                         "this command needs to read text; give the model's GGUF file with its "

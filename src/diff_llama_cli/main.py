@@ -69,7 +69,7 @@ def _run(argv) -> int:
     run = getattr(commands, COMMANDS[argv[0]].run)
     if argv[0] == "serve":  # a server lives on: it should not keep every GGUF file it ever parsed
         return run(*values)
-    from diff_llama.resolve import each_gguf_parsed_once
+    from diff_llama.gguf_metadata import each_gguf_parsed_once
 
     with each_gguf_parsed_once():  # a GGUF model's config, weights and tokenizer read from one parse of it
         return run(*values)

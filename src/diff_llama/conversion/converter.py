@@ -22,15 +22,16 @@ from transformers.utils.hub import convert_file_size_to_int
 from .. import configuration_diff_llama
 from ..configuration_diff_llama import DiffLlamaConfig
 from ..corpus import CALIBRATION_MODULES, HELD_OUT_MODULES, read_text_file, stdlib_docstrings
+from ..gguf_metadata import each_gguf_parsed_once, gguf_has_tokenizer
 from ..model_card import write_model_card
 from ..options import ConversionOptions
 from ..output_folder import AtomicOutputFolder
-from ..resolve import clean_tokenizer_config, each_gguf_parsed_once, has_tokenizer_files, save_tokenizer
+from ..resolve import clean_tokenizer_config, has_tokenizer_files, save_tokenizer
 from .base import LayerOutput, VersionConversion, checkpoint_schema
 from .calibration import LayerwiseRunner
 from .errors import ConversionError
-from .source import (FLOAT_DTYPES, TORCH_DTYPES, LlamaSource, gguf_has_tokenizer, open_source, side_files,
-                     source_gguf_type, source_license)
+from .source import (FLOAT_DTYPES, TORCH_DTYPES, LlamaSource, open_source, side_files, source_gguf_type,
+                     source_license)
 from .version1 import VERSION_1_OPTIONS, DiffV1Conversion, HeadLayout, make_layout
 from .version2 import DiffV2Conversion
 from .writer import StreamingSafetensorsWriter

@@ -1,7 +1,6 @@
 """Reading a LLaMA checkpoint tensor by tensor: a local Transformers folder (single or sharded safetensors),
 a `.gguf` file (through transformers' GGUF loader), or a Hub repository id (through huggingface_hub)."""
 
-import functools
 import json
 import os
 import re
@@ -15,6 +14,7 @@ from transformers import AutoConfig, LlamaConfig
 
 from ..errors import UserError
 from ..gguf_llama import load_gguf_causal_lm
+from ..gguf_metadata import gguf_fields
 from ..resolve import (LICENSE_FILE_STEMS, TOKENIZER_FILE_NAMES, ModelNotFoundError, adapter_refusal, check_hub_model,
                        is_adapter_folder, license_files, resolve_model)
 from .errors import ConversionError
@@ -300,7 +300,7 @@ def source_gguf_type(source: LlamaSource) -> str | None:
     dequantised to float32), or None for other sources or a file that does not say."""
     if not source.description.endswith(".gguf"):
         return None
-    value = _gguf_fields(Path(source.description)).get("general.file_type")
+    value = gguf_fields(Path(source.description)).get("general.file_type")
     try:
         from gguf import LlamaFileType  # optional (transformers' GGUF extra), needed only for a GGUF source
 
@@ -308,34 +308,6 @@ def source_gguf_type(source: LlamaSource) -> str | None:
     except (ImportError, TypeError, ValueError):  # an older or unusual file: the card names the format only
         return None
     return name.removeprefix("MOSTLY_").removeprefix("ALL_")
-
-
-@functools.lru_cache(maxsize=4)
-def _gguf_metadata(path: Path, size: int, mtime: float) -> dict:
-    from gguf import GGUFReader  # optional (transformers' GGUF extra), needed only for a GGUF source
-
-    # Reading the metadata parses the whole vocabulary (seconds): once per file, for licence, type and tokenizer.
-    fields = GGUFReader(path).fields
-    # general.architecture, which every GGUF file states: a file read is never empty, so a file without a vocabulary
-    # is told from one whose metadata could not be read (`gguf_has_tokenizer`)
-    keys = ("general.architecture", "general.license", "general.file_type", "tokenizer.ggml.model")
-    return {key: fields[key].contents() for key in keys if key in fields}
-
-
-def gguf_has_tokenizer(path: Path) -> bool:
-    """Whether a GGUF file holds a vocabulary (`tokenizer.ggml.model`); a file that does not say is tried."""
-    fields = _gguf_fields(path)
-    return not fields or "tokenizer.ggml.model" in fields
-
-
-def _gguf_fields(path: Path) -> dict:
-    """The `general.architecture`, `general.license`, `general.file_type` and `tokenizer.ggml.model` of a GGUF file;
-    empty where it cannot be read."""
-    try:
-        stat = path.stat()
-        return _gguf_metadata(path, stat.st_size, stat.st_mtime)
-    except Exception:  # an unreadable or older-format file: what it would have said stays unknown
-        return {}
 
 
 def card_license(readme: Path) -> dict:
@@ -351,7 +323,7 @@ def card_license(readme: Path) -> dict:
 
 
 def _gguf_license(path: Path) -> dict:
-    value = _gguf_fields(path).get("general.license")
+    value = gguf_fields(path).get("general.license")
     return _as_hub_license(value, {}) if isinstance(value, str) and value.strip() else {}
 
 
