@@ -110,6 +110,18 @@ def test_console_help_lists_every_command_without_importing_torch():
     assert all(name in result.stdout for name in COMMANDS)
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["convert", "--help"]])
+def test_help_piped_into_a_reader_that_stops_early_is_no_bug(argv):
+    """`diff-llama --help | head -3`: the pipe closes before the help is written; no traceback, no "this is a bug".
+    The overview exits as the shell reports a closed pipe (141); a command's help is argparse's, which ignores it (0)."""
+    process = subprocess.Popen([sys.executable, "-m", "diff_llama_cli", *argv], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    process.stdout.close()  # before the command starts up and writes: every write meets a closed pipe
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=60) == (141 if argv == ["--help"] else 0), err
+    assert err == ""
+
+
 def test_every_commands_help_is_fast_and_says_each_default_once():
     """`diff-llama COMMAND --help` builds the parser from the torch-free option dataclasses: no torch, no
     transformers; and an option whose help names its default gets no second "(default: ...)"."""

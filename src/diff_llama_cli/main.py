@@ -96,6 +96,19 @@ def _file_system_refusal(error: Exception) -> str | None:
     return None
 
 
+def _stdout_is_closed() -> bool:
+    """Whether standard output is a pipe nobody reads any more (a broken pipe elsewhere is a bug like any other): the
+    write end of a pipe without readers polls as an error. Where poll cannot say (no select.poll), it is taken to be."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poller.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return True
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     prefix = f"{PROG}{' ' + argv[0] if argv and argv[0] in COMMANDS else ''}"
@@ -108,6 +121,11 @@ def main(argv=None) -> int:
         print(f"{prefix}: interrupted{'; ' + str(interrupt) if str(interrupt) else ''}", file=sys.stderr)
         return 130
     except Exception as error:
+        if isinstance(error, BrokenPipeError) and _stdout_is_closed():
+            # The reader of the output went away (`diff-llama --help | head`): not an error, and nothing to say.
+            # Python flushes stdout once more at exit, into the closed pipe: point it at /dev/null first.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141  # 128 + SIGPIPE: what the shell reports for a command whose output pipe closed
         if os.environ.get("DIFF_LLAMA_TRACEBACK", "") not in ("", "0"):
             raise
         _close_progress_bars()
